@@ -1,0 +1,37 @@
+# Every target sets up .venv first when it is missing, so each works on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lab bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "import ddpnb, torch, torchvision, papermill, ipywidgets, sklearn"
+	$(PY) -m ipykernel install --sys-prefix --name python3 > /dev/null
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m ddpnb.demo --out runs/demo
+
+test: setup lint
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(PY) -m ruff check ddpnb tests bench
+	$(PY) -m ruff format --check ddpnb tests bench
+
+lab: setup
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --notebook-dir=notebooks --no-browser \
+		--ServerApp.open_browser=False
+
+bench: setup
+	$(PY) bench/run.py
+
+clean:
+	rm -rf runs .pytest_cache

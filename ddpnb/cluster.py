@@ -1,0 +1,163 @@
+"""Commands for real clusters: per-node torchrun lines and a SLURM batch script."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shlex
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import TrainConfig
+from .errors import ConfigError
+from .launch import _positive_int, as_config, torchrun_args
+from .rundir import WORKER_NAME
+
+FINGERPRINT_NOTE = (
+    "# Every node must hold the identical dataset at data_dir (copy it with rsync -a, or use a\n"
+    "# shared filesystem). At start-up the ranks compare dataset fingerprints and stop with an\n"
+    "# error naming the nodes whose data differ. `ddpnb check DIR` prints a node's fingerprint.\n"
+    "# The rendezvous store is unauthenticated: use a trusted, private network only."
+)
+
+
+def _is_public(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_global
+    except ValueError:
+        return False  # a hostname: cannot tell
+
+
+def node_commands(
+    config: TrainConfig | Mapping[str, Any],
+    run_dir: str | os.PathLike,
+    hosts: Sequence[str],
+    nproc_per_node: int = 1,
+    master_port: int = 29500,
+    rendezvous: str = "static",
+    max_restarts: int = 0,
+    rdzv_timeout: int = 60,
+    node_rank: int | None = None,
+) -> list[str]:
+    """The exact ``torchrun`` command to paste on each host (``hosts[0]`` is the master).
+
+    ``rendezvous="static"`` gives each host its ``--node_rank`` and ``--master_addr``;
+    ``"c10d"`` uses an elastic rendezvous hosted on the first host. ``run_dir`` is where
+    ``train_ddp.py`` and ``config.json`` sit on every node. ``node_rank`` returns that
+    one node's line only.
+
+    Example
+    -------
+    >>> cmds = node_commands(TrainConfig(), "/shared/run", hosts=["10.0.0.1", "10.0.0.2"])
+    >>> cmds[1].split()[:3]
+    ['torchrun', '--nnodes=2', '--node_rank=1']
+    """
+    config = as_config(config)
+    hosts = list(hosts)
+    if not hosts or not all(isinstance(h, str) and h for h in hosts):
+        raise ConfigError("hosts must be a non-empty list of host names or addresses.")
+    _positive_int("nproc_per_node", nproc_per_node)
+    nnodes = len(hosts)
+    if node_rank is not None and not (isinstance(node_rank, int) and 0 <= node_rank < nnodes):
+        raise ConfigError(
+            f"node_rank must be in 0..{nnodes - 1} (node_rank < nnodes = len(hosts)), got {node_rank!r}."
+        )
+    if rendezvous not in ("static", "c10d"):
+        raise ConfigError("rendezvous must be 'static' or 'c10d'.")
+    if _is_public(hosts[0]):
+        warnings.warn(
+            f"master address {hosts[0]} is a public address. torch.distributed's TCPStore has no "
+            "authentication: run multi-node jobs only on a trusted private network.",
+            stacklevel=2,
+        )
+    run_dir = Path(run_dir)
+    tail = [str(run_dir / WORKER_NAME), "--config", str(run_dir / "config.json")]
+    lines = []
+    for rank, _host in enumerate(hosts):
+        if rendezvous == "static":
+            opts = torchrun_args(
+                nnodes=nnodes,
+                node_rank=rank,
+                nproc_per_node=nproc_per_node,
+                master_addr=hosts[0],
+                master_port=master_port,
+                max_restarts=max_restarts,
+                rdzv_timeout=rdzv_timeout,
+            )
+        else:
+            opts = [
+                f"--nnodes={nnodes}",
+                f"--nproc_per_node={nproc_per_node}",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={hosts[0]}:{master_port}",
+                f"--rdzv_id=ddpnb-{run_dir.name}",
+                f"--max_restarts={max_restarts}",
+            ]
+        lines.append(shlex.join(["torchrun", *opts, *tail]))
+    return lines if node_rank is None else [lines[node_rank]]
+
+
+def format_node_commands(hosts: Sequence[str], commands: Sequence[str]) -> str:
+    """Commands with a header per host, ready to print."""
+    parts = [FINGERPRINT_NOTE]
+    for rank, (host, cmd) in enumerate(zip(hosts, commands)):
+        role = " (master: hosts the rendezvous)" if rank == 0 else ""
+        parts.append(f"# on {host}, node_rank {rank}{role}\n{cmd}")
+    return "\n\n".join(parts)
+
+
+def slurm_script(
+    config: TrainConfig | Mapping[str, Any],
+    run_dir: str | os.PathLike,
+    nnodes: int = 2,
+    nproc_per_node: int = 1,
+    master_port: int = 29500,
+    job_name: str = "ddpnb",
+    time_limit: str = "01:00:00",
+    gpus_per_node: int = 0,
+    path: str | os.PathLike | None = None,
+) -> str:
+    """An sbatch script that runs the worker with one torchrun per node (c10d rendezvous).
+
+    Writes it to ``path`` when given. Submit with ``sbatch train.sbatch``.
+
+    Example
+    -------
+    >>> "srun torchrun" in slurm_script(TrainConfig(), "/shared/run", nnodes=4)
+    True
+    """
+    as_config(config)
+    _positive_int("nnodes", nnodes)
+    _positive_int("nproc_per_node", nproc_per_node)
+    run_dir = Path(run_dir)
+    gpus = f"#SBATCH --gpus-per-node={gpus_per_node}\n" if gpus_per_node else ""
+    worker = shlex.quote(str(run_dir / WORKER_NAME))
+    cfg = shlex.quote(str(run_dir / "config.json"))
+    text = f"""#!/bin/bash
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={nnodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --time={time_limit}
+#SBATCH --output={shlex.quote(str(run_dir))}/logs/slurm-%j.out
+{gpus}
+# One torchrun agent per node (ntasks-per-node=1); each starts {nproc_per_node} worker(s).
+# The first node of the allocation hosts the c10d rendezvous.
+{FINGERPRINT_NOTE}
+set -euo pipefail
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+mkdir -p {shlex.quote(str(run_dir))}/logs
+
+srun torchrun \\
+    --nnodes "$SLURM_NNODES" \\
+    --nproc_per_node {nproc_per_node} \\
+    --rdzv_backend c10d \\
+    --rdzv_endpoint "$head_node:{master_port}" \\
+    --rdzv_id "$SLURM_JOB_ID" \\
+    --max_restarts 0 \\
+    {worker} --config {cfg}
+"""
+    if path is not None:
+        Path(path).write_text(text)
+    return text

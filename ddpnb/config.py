@@ -1,0 +1,185 @@
+"""The one training configuration, its defaults and its validation.
+
+Every default lives in :class:`TrainConfig`. The worker script never imports this
+module (it must run with torch alone on a cluster node); it reads the
+``config.json`` that :meth:`TrainConfig.save` writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+Backend = Literal["auto", "gloo", "nccl"]
+Augment = Literal["auto", "digits", "photo", "none"]
+Pipeline = Literal["auto", "memory", "loader"]
+CommHook = Literal["none", "bf16", "fp16"]
+LrSchedule = Literal["cosine", "constant"]
+
+
+def _default_num_workers() -> int:
+    # DataLoader workers compete with compute for the same cores; on a small host
+    # the in-memory pipeline needs none, so only big hosts get a few.
+    cores = os.cpu_count() or 1
+    return 0 if cores <= 4 else min(4, cores // 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything the worker needs to train, with the defaults in one place.
+
+    Unknown keys, wrong types and out-of-range values raise :class:`ConfigError`.
+
+    Example
+    -------
+    >>> cfg = TrainConfig(data_dir="data/digits", epochs=2)
+    >>> TrainConfig.from_dict(cfg.to_dict()) == cfg
+    True
+    """
+
+    data_dir: str = "data/digits"
+    model: str = "resnet18"
+    #: Extra keyword arguments for ``torchvision.models.get_model`` (e.g. ``{"dropout": 0.0}``).
+    model_kwargs: dict = dataclasses.field(default_factory=dict)
+    #: ``None`` (random init), ``"DEFAULT"`` (torchvision download), or a local state-dict path.
+    weights: str | None = None
+    image_size: int = 32
+    epochs: int = 8
+    #: Per process: the global batch is ``batch_size * world_size``.
+    batch_size: int = 64
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    lr_schedule: LrSchedule = "cosine"
+    seed: int = 0
+    num_workers: int = dataclasses.field(default_factory=_default_num_workers)
+    #: ``memory`` decodes the dataset once into a tensor and slices batches from it;
+    #: ``loader`` is the classic per-sample DataLoader; ``auto`` picks memory when it fits.
+    pipeline: Pipeline = "auto"
+    backend: Backend = "auto"
+    #: bf16 autocast, applied on CUDA only.
+    amp: bool = True
+    augment: Augment = "auto"
+    checkpoint_every: int = 1
+    #: Seconds a collective may wait before the run fails instead of hanging.
+    timeout_seconds: int = 60
+    #: Limit steps per epoch (benchmarks, smoke tests); ``None`` runs whole epochs.
+    max_steps_per_epoch: int | None = None
+    #: Intra-op threads per process on CPU; 0 splits the host's cores over its processes.
+    threads: int = 0
+    bucket_cap_mb: int = 25
+    comm_hook: CommHook = "none"
+    channels_last: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        positive = ["image_size", "epochs", "batch_size", "checkpoint_every", "timeout_seconds"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}.")
+        if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
+            raise ConfigError("max_steps_per_epoch must be >= 1 or None.")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr!r}.")
+        for name in ["momentum", "weight_decay"]:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
+        for name in ["num_workers", "threads", "seed"]:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
+        if self.bucket_cap_mb < 1:
+            raise ConfigError("bucket_cap_mb must be >= 1.")
+        if not self.model:
+            raise ConfigError(
+                "model must name a torchvision classification model, e.g. 'resnet18'."
+            )
+
+    # -- serialisation -------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the config as plain JSON-ready data."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Build a config from a dict, rejecting keys that are not fields.
+
+        >>> TrainConfig.from_dict({"epochs": 3}).epochs
+        3
+        """
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(valid))
+        if unknown:
+            raise ConfigError(
+                f"Unknown config key(s) {unknown}. Valid keys are: {', '.join(valid)}."
+            )
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """Return a copy with some fields changed (validated like a new config)."""
+        return self.from_dict({**self.to_dict(), **changes})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the config as JSON to ``path`` and return the path."""
+        path = Path(path)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TrainConfig:
+        """Read a config written by :meth:`save`."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"Cannot read config {path}: {e}") from e
+        return cls.from_dict(data)
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        expected = hints[f.name]
+        if not _matches(value, expected):
+            raise ConfigError(
+                f"{f.name} must be {_describe(expected)}, got {value!r} ({type(value).__name__})."
+            )
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        # An int is a fine float (lr=1), a bool is not.
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    return isinstance(value, tp)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    return f"a {tp.__name__}"

@@ -1,0 +1,255 @@
+"""Dataset preparation and checking: the bundled digits, any ImageFolder, fingerprints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from .errors import DatasetError
+from .worker import IMAGE_EXTENSIONS, dataset_files, dataset_fingerprint
+
+SPLITS = ("train", "val")
+MANIFEST = "manifest.json"
+
+
+@dataclasses.dataclass
+class DatasetSummary:
+    """What :func:`inspect_dataset` found; prints as a readable report."""
+
+    root: str
+    classes: list[str]
+    counts: dict[str, dict[str, int]]  # split -> class -> images
+    image_sizes: dict[str, int]  # "WxH" -> images
+    problems: list[str]
+    fingerprint: str | None
+    source: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def split_size(self, split: str) -> int:
+        return sum(self.counts.get(split, {}).values())
+
+    def __str__(self) -> str:
+        lines = [f"Dataset {self.root}" + (f" (source: {self.source})" if self.source else "")]
+        lines.append(f"  classes ({len(self.classes)}): {', '.join(self.classes)}")
+        header = "  " + "class".ljust(12) + "".join(s.rjust(8) for s in SPLITS)
+        lines.append(header)
+        for c in self.classes:
+            row = "".join(str(self.counts.get(s, {}).get(c, 0)).rjust(8) for s in SPLITS)
+            lines.append("  " + c[:12].ljust(12) + row)
+        lines.append(
+            "  " + "total".ljust(12) + "".join(str(self.split_size(s)).rjust(8) for s in SPLITS)
+        )
+        sizes = ", ".join(f"{k} ({v})" for k, v in sorted(self.image_sizes.items()))
+        lines.append(f"  image sizes: {sizes or 'none'}")
+        if self.fingerprint:
+            lines.append(f"  fingerprint: sha256:{self.fingerprint}")
+        if self.problems:
+            lines.append(f"  PROBLEMS ({len(self.problems)}):")
+            lines.extend(f"    - {p}" for p in self.problems)
+        else:
+            lines.append("  no problems found")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython display
+        p.text(str(self))
+
+
+def prepare_digits(
+    root: str | os.PathLike,
+    image_size: int = 32,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
+    """Write scikit-learn's bundled handwritten digits as an ImageFolder tree.
+
+    ``root/train/<0..9>/*.png`` and ``root/val/<0..9>/*.png``, upscaled to
+    ``image_size``, split per class (stratified) and deterministically by ``seed``.
+    Needs no network. Calling again with the same arguments does nothing; other
+    arguments on a non-empty folder raise :class:`DatasetError` unless ``overwrite``.
+
+    Example
+    -------
+    >>> root = prepare_digits("data/digits")            # doctest: +SKIP
+    >>> inspect_dataset(root).split_size("val")          # doctest: +SKIP
+    360
+    """
+    if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < 8:
+        raise DatasetError(f"image_size must be an integer >= 8, got {image_size!r}.")
+    if not 0 < val_fraction < 1:
+        raise DatasetError(f"val_fraction must be between 0 and 1, got {val_fraction!r}.")
+    root = Path(root)
+    params = {"image_size": image_size, "val_fraction": val_fraction, "seed": seed}
+    existing = _read_manifest(root)
+    if existing.get("source") == "digits" and existing.get("params") == params:
+        return root  # finished earlier: the manifest is written last
+    if root.exists() and any(root.iterdir()) and not overwrite:
+        what = (
+            f"digits prepared with {existing.get('params')}"
+            if existing
+            else "files that are not a finished ddpnb dataset (an interrupted run, or other data)"
+        )
+        raise DatasetError(
+            f"{root} already holds {what}. Choose another folder, or pass overwrite=True "
+            "(CLI: --overwrite) to replace it."
+        )
+
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = (digits.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
+    index = np.arange(len(images))
+    train_idx, val_idx = train_test_split(
+        index, test_size=val_fraction, stratify=digits.target, random_state=seed
+    )
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename at the end: an interrupted call leaves only a
+    # temp folder, never a half tree that looks finished.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    try:
+        for split, idx in (("train", train_idx), ("val", val_idx)):
+            for c in range(10):
+                (tmp / split / str(c)).mkdir(parents=True)
+            for i in sorted(idx):
+                img = Image.fromarray(images[i], mode="L").resize(
+                    (image_size, image_size), Image.BICUBIC
+                )
+                img.save(tmp / split / str(digits.target[i]) / f"{i:04d}.png", optimize=False)
+        summary = inspect_dataset(tmp, show=False, write_manifest=False)
+        _write_manifest(tmp, summary, source="digits", params=params)
+        if root.exists():
+            old = root.with_name(f".{root.name}.old-{os.getpid()}")
+            os.replace(root, old)
+            os.replace(tmp, root)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def inspect_dataset(
+    root: str | os.PathLike, *, show: bool = True, write_manifest: bool = True
+) -> DatasetSummary:
+    """Check an ImageFolder dataset with ``train/`` and ``val/`` and summarise it.
+
+    Every problem is collected (missing split, class sets that differ, empty class,
+    unreadable image by path, non-image file), then the summary is printed (``show``)
+    and, when the folder is writable, saved with the fingerprint to ``manifest.json``.
+
+    Example
+    -------
+    >>> s = inspect_dataset("data/digits")                # doctest: +SKIP
+    >>> s.ok, s.classes[:3]                               # doctest: +SKIP
+    (True, ['0', '1', '2'])
+    """
+    from PIL import Image
+
+    root = Path(root)
+    if not root.is_dir():
+        raise DatasetError(
+            f"Dataset folder {root} does not exist. Create it with ddpnb.prepare_digits(...) "
+            "(CLI: ddpnb prep --out DIR) or point data_dir at an ImageFolder with train/ and val/."
+        )
+    problems: list[str] = []
+    counts: dict[str, dict[str, int]] = {}
+    sizes: Counter[str] = Counter()
+    class_sets = {}
+    for split in SPLITS:
+        split_dir = root / split
+        if not split_dir.is_dir():
+            problems.append(f"missing split: {split_dir} does not exist")
+            continue
+        classes = sorted(d.name for d in split_dir.iterdir() if d.is_dir())
+        class_sets[split] = classes
+        if not classes:
+            problems.append(f"{split_dir} holds no class folders")
+        for f in sorted(p for p in split_dir.iterdir() if p.is_file()):
+            problems.append(f"file outside any class folder: {f}")
+        counts[split] = {}
+        for c in classes:
+            n = 0
+            for dirpath, dirnames, filenames in os.walk(split_dir / c):
+                dirnames.sort()
+                for name in sorted(filenames):
+                    path = Path(dirpath) / name
+                    if not name.lower().endswith(IMAGE_EXTENSIONS):
+                        problems.append(f"non-image file: {path}")
+                        continue
+                    try:
+                        with Image.open(path) as im:
+                            im.load()  # decodes fully: truncated files fail here
+                            sizes[f"{im.width}x{im.height}"] += 1
+                        n += 1
+                    except Exception as e:
+                        problems.append(f"unreadable or corrupt image: {path} ({e})")
+            counts[split][c] = n
+            if n == 0:
+                problems.append(f"empty class: {split_dir / c} holds no readable images")
+    if len(class_sets) == 2 and class_sets["train"] != class_sets["val"]:
+        only_train = sorted(set(class_sets["train"]) - set(class_sets["val"]))
+        only_val = sorted(set(class_sets["val"]) - set(class_sets["train"]))
+        problems.append(
+            "train/val class sets differ: "
+            + (f"missing from val: {only_train}" if only_train else "")
+            + ("; " if only_train and only_val else "")
+            + (f"missing from train: {only_val}" if only_val else "")
+        )
+    all_classes = sorted(set().union(*class_sets.values())) if class_sets else []
+    fingerprint = dataset_fingerprint(root) if class_sets else None
+    existing = _read_manifest(root)
+    summary = DatasetSummary(
+        root=str(root),
+        classes=all_classes,
+        counts=counts,
+        image_sizes=dict(sizes),
+        problems=problems,
+        fingerprint=fingerprint,
+        source=existing.get("source"),
+    )
+    if write_manifest and fingerprint and os.access(root, os.W_OK):
+        if existing.get("fingerprint") != fingerprint or existing.get("problems") != problems:
+            _write_manifest(root, summary, existing.get("source"), existing.get("params"))
+    if show:
+        print(summary)
+    return summary
+
+
+def require_valid_dataset(root: str | os.PathLike) -> DatasetSummary:
+    """Inspect quietly and raise :class:`DatasetError` listing every problem."""
+    summary = inspect_dataset(root, show=False)
+    if summary.problems:
+        listed = "\n".join(f"  - {p}" for p in summary.problems)
+        raise DatasetError(
+            f"The dataset at {root} has {len(summary.problems)} problem(s):\n{listed}\n"
+            "Fix or remove the files named above (ddpnb check DIR re-checks), then run again."
+        )
+    return summary
+
+
+def _read_manifest(root: Path) -> dict:
+    try:
+        return json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_manifest(root: Path, summary: DatasetSummary, source, params) -> None:
+    data = dataclasses.asdict(summary)
+    data.update(root=None, source=source, params=params, files=len(dataset_files(root)))
+    tmp = root / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, root / MANIFEST)

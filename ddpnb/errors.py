@@ -1,0 +1,67 @@
+"""Typed errors. Every message names the problem and the fix."""
+
+from __future__ import annotations
+
+
+class DdpnbError(Exception):
+    """Base class of every error ddpnb raises on purpose."""
+
+
+class ConfigError(DdpnbError, ValueError):
+    """A training or launch setting is invalid (raised before any process starts)."""
+
+
+class DatasetError(DdpnbError):
+    """The dataset folder is missing, malformed, or holds a different dataset."""
+
+
+class RunDirError(DdpnbError):
+    """The run directory holds another run, or cannot be written."""
+
+
+class PortInUseError(DdpnbError):
+    """The requested master port is already taken on this host."""
+
+
+class LaunchError(DdpnbError):
+    """A run could not be started or stopped as asked."""
+
+
+class WorkerFailed(DdpnbError):
+    """A worker process of the run failed.
+
+    Attributes
+    ----------
+    node_rank, global_rank, exit_code:
+        Where the first failure happened and how the process ended (``None`` where unknown).
+    traceback:
+        The failing worker's Python traceback, from torchrun's error file or its log.
+    log_tail:
+        The last lines of that node's log.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        node_rank: int | None = None,
+        global_rank: int | None = None,
+        exit_code: int | None = None,
+        traceback: str = "",
+        log_tail: str = "",
+    ) -> None:
+        self.node_rank = node_rank
+        self.global_rank = global_rank
+        self.exit_code = exit_code
+        self.traceback = traceback
+        self.log_tail = log_tail
+        parts = [message]
+        if traceback:
+            parts.append("The failing worker's traceback follows:\n" + traceback.rstrip())
+        elif log_tail:
+            parts.append("The last lines of the node's log follow:\n" + log_tail.rstrip())
+        super().__init__("\n\n".join(parts))
+
+
+class RendezvousTimeout(WorkerFailed):
+    """Not every node joined the rendezvous (or answered a collective) in time."""

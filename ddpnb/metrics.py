@@ -1,0 +1,82 @@
+"""Reading what a run wrote: per-epoch metrics, per-rank records, live progress."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class RunMetrics:
+    """The gathered numbers of one run directory.
+
+    ``epochs`` holds one dict per finished epoch (from ``metrics.jsonl``), ``ranks``
+    maps each global rank to its per-epoch records (from ``ranks/rank-<r>.jsonl``).
+    """
+
+    run_dir: Path
+    epochs: list[dict]
+    ranks: dict[int, list[dict]]
+    config: dict
+
+    @property
+    def final(self) -> dict:
+        """The last epoch's record (empty before the first epoch ends)."""
+        return self.epochs[-1] if self.epochs else {}
+
+    def series(self, key: str) -> list[float]:
+        return [e[key] for e in self.epochs]
+
+    @property
+    def label(self) -> str:
+        ws = self.final.get("world_size")
+        return f"{self.run_dir.name} (world size {ws})" if ws else self.run_dir.name
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Records of a JSON-lines file; a torn last line (a write in progress) is skipped."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
+    """Load ``metrics.jsonl``, the rank files and the config of a run directory.
+
+    Example
+    -------
+    >>> m = load_metrics("runs/baseline")                 # doctest: +SKIP
+    >>> m.final["val_acc"]                                # doctest: +SKIP
+    0.97
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"Run directory {run_dir} does not exist.")
+    ranks: dict[int, list[dict]] = {}
+    for path in sorted((run_dir / "ranks").glob("rank-*.jsonl")):
+        ranks[int(path.stem.split("-")[1])] = read_jsonl(path)
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    return RunMetrics(
+        run_dir, read_jsonl(run_dir / "metrics.jsonl"), dict(sorted(ranks.items())), config
+    )
+
+
+def read_progress(run_dir: str | os.PathLike) -> dict:
+    """The worker's latest progress record, or ``{}`` before it writes one."""
+    try:
+        return json.loads((Path(run_dir) / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,216 @@
+"""Live progress: an ipywidgets panel in JupyterLab, a few plain lines elsewhere."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from .metrics import read_jsonl, read_progress
+
+if TYPE_CHECKING:
+    from .launch import Job
+
+PLOT_INTERVAL = 1.0  # seconds between live-plot redraws at most
+STATUS_COLORS = {
+    "starting": "#b58900",
+    "running": "#268bd2",
+    "done": "#2aa160",
+    "failed": "#dc322f",
+    "stopped": "#888888",
+    "external": "#888888",
+}
+
+
+def _live_frontend() -> bool:
+    """True inside a kernel that a Jupyter frontend (not papermill/nbconvert) drives."""
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    if shell is None or type(shell).__name__ != "ZMQInteractiveShell":
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return True  # not Linux: trust the kernel type
+    return "jupyter" in parent and not any(
+        w in parent for w in ("nbconvert", "papermill", "nbclient")
+    )
+
+
+def make_progress(mode: str, job: Job):
+    """The display for ``mode`` ('auto', 'widgets', 'text', 'none')."""
+    mode = os.environ.get("DDPNB_PROGRESS", mode) if mode == "auto" else mode
+    if mode == "auto":
+        mode = "widgets" if _live_frontend() else "text"
+    if mode == "widgets":
+        try:
+            return WidgetProgress(job)
+        except ImportError:
+            mode = "text"
+    return TextProgress(job) if mode == "text" else NoProgress()
+
+
+class NoProgress:
+    def update(self) -> None:
+        pass
+
+    def close(self, job: Job) -> None:
+        pass
+
+
+def _epoch_line(row: dict, epochs: int) -> str:
+    return (
+        f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  "
+        f"train_acc {row['train_acc']:.3f}  val_loss {row['val_loss']:.4f}  "
+        f"val_acc {row['val_acc']:.3f}  {row['images_per_second']:.0f} img/s  "
+        f"{row['epoch_seconds']:.1f} s"
+        + (f"  (restart {row['restart_count']})" if row.get("restart_count") else "")
+    )
+
+
+def _start_line(job: Job) -> str:
+    return (
+        f"ddpnb: {job.nnodes} node(s) x {job.nproc_per_node} process(es) = world size "
+        f"{job.world_size}; node 0 is the master and hosts the rendezvous at "
+        f"{job.master_addr}:{job.master_port}; run dir {job.run_dir}"
+    )
+
+
+def _finish_line(job: Job) -> str:
+    seconds = (job.ended_at or time.time()) - job.started_at
+    if job.error is not None:
+        return f"ddpnb: run FAILED after {seconds:.1f} s ({type(job.error).__name__})"
+    final = job.metrics.final
+    acc = f", final val_acc {final['val_acc']:.4f}" if final else ""
+    return f"ddpnb: run finished in {seconds:.1f} s{acc}"
+
+
+class TextProgress:
+    """A start line, a line per epoch, a finish line."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.printed = 0
+        print(_start_line(job), flush=True)
+
+    def update(self) -> None:
+        rows = read_jsonl(self.job.run_dir / "metrics.jsonl")
+        for row in rows[self.printed :]:
+            print(_epoch_line(row, self.job.config.epochs), flush=True)
+        self.printed = max(self.printed, len(rows))
+
+    def close(self, job: Job) -> None:
+        self.update()
+        print(_finish_line(job), flush=True)
+
+
+class WidgetProgress:
+    """One row per node, epoch and step bars, and a live loss/accuracy plot."""
+
+    def __init__(self, job: Job) -> None:
+        import ipywidgets as w
+        from IPython.display import display
+
+        self.job = job
+        self.w = w
+        self.epochs_seen = 0
+        self.plotted = -1
+        self.last_plot = 0.0
+        self.plot_updates = 0
+        self.title = w.HTML(f"<b>{_start_line(job)}</b>")
+        self.node_rows = [w.HTML() for _ in range(job.nnodes)]
+        bar_layout = w.Layout(width="60%")
+        self.epoch_bar = w.IntProgress(
+            value=0,
+            min=0,
+            max=job.config.epochs,
+            description="epoch",
+            bar_style="info",
+            layout=bar_layout,
+        )
+        self.step_bar = w.IntProgress(
+            value=0, min=0, max=1, description="step", bar_style="info", layout=bar_layout
+        )
+        self.status = w.HTML()
+        self.plot = w.Image(format="png", layout=w.Layout(max_width="720px"))
+        nodes = w.VBox(
+            self.node_rows,
+            layout=w.Layout(
+                border="1px solid var(--jp-border-color1, #ccc)",
+                padding="4px",
+                max_height="220px",
+                overflow="auto",
+            ),
+        )
+        self.panel = w.VBox(
+            [self.title, nodes, self.epoch_bar, self.step_bar, self.status, self.plot]
+        )
+        self.panel.add_class("ddpnb-progress")
+        display(self.panel)
+        self.update()
+
+    def _set_nodes(self) -> None:
+        for n, state in self.job.node_status().items():
+            color = STATUS_COLORS.get(state, "#888")
+            ranks = range(n * self.job.nproc_per_node, (n + 1) * self.job.nproc_per_node)
+            role = " (master, hosts the rendezvous)" if n == 0 else ""
+            html = (
+                f"<span style='display:inline-block;min-width:5.5em'>node {n}</span>"
+                f"<span style='background:{color};color:white;border-radius:3px;padding:0 6px;"
+                f"display:inline-block;min-width:5em;text-align:center'>{state}</span> "
+                f"<span style='opacity:0.8'>ranks {ranks.start}-{ranks.stop - 1}{role}</span>"
+            )
+            if self.node_rows[n].value != html:
+                self.node_rows[n].value = html
+
+    def update(self) -> None:
+        self._set_nodes()
+        prog = read_progress(self.job.run_dir)
+        rows = read_jsonl(self.job.run_dir / "metrics.jsonl")
+        if prog.get("phase") in ("train", "done"):
+            self.step_bar.max = max(1, prog["steps"])
+            self.step_bar.value = prog["step"]
+            self.epoch_bar.value = len(rows)
+            loss = f" loss {prog['loss']:.4f}" if "loss" in prog else ""
+            self.status.value = (
+                f"epoch {prog['epoch']}/{prog['epochs']}, step {prog['step']}/{prog['steps']}{loss}"
+            )
+        now = time.monotonic()
+        if len(rows) != self.plotted and now - self.last_plot > PLOT_INTERVAL and rows:
+            self.plot.value = self._render(rows)
+            self.plotted = len(rows)
+            self.last_plot = now
+            self.plot_updates += 1
+
+    def _render(self, rows: list[dict]) -> bytes:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7.2, 2.6), layout="constrained")
+        ax_loss, ax_acc = fig.subplots(1, 2)
+        ep = [r["epoch"] for r in rows]
+        ax_loss.plot(ep, [r["train_loss"] for r in rows], "--", label="train")
+        ax_loss.plot(ep, [r["val_loss"] for r in rows], "-o", ms=3, label="val")
+        ax_acc.plot(ep, [r["train_acc"] for r in rows], "--", label="train")
+        ax_acc.plot(ep, [r["val_acc"] for r in rows], "-o", ms=3, label="val")
+        ax_loss.set(title="loss", xlabel="epoch")
+        ax_acc.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
+        for ax in (ax_loss, ax_acc):
+            ax.set_xlim(0.5, max(self.job.config.epochs, 1) + 0.5)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=90)
+        return buf.getvalue()
+
+    def close(self, job: Job) -> None:
+        self.last_plot = 0.0
+        self.update()
+        done = job.error is None
+        for bar in (self.epoch_bar, self.step_bar):
+            bar.bar_style = "success" if done else "danger"
+        if done:
+            self.epoch_bar.value = self.epoch_bar.max
+            self.step_bar.value = self.step_bar.max
+        self.status.value = _finish_line(job)

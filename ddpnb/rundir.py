@@ -1,0 +1,116 @@
+"""The run directory: its rules (never overwrite a run silently) and the worker files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .config import TrainConfig
+from .errors import RunDirError
+
+WORKER_NAME = "train_ddp.py"
+# Everything a run writes; overwrite=True removes exactly these and nothing else.
+PRODUCTS = (
+    "config.json",
+    WORKER_NAME,
+    "metrics.jsonl",
+    "progress.json",
+    "ranks",
+    "checkpoints",
+    "logs",
+)
+
+
+def worker_source() -> Path:
+    """The package's worker module: the file copied out as ``train_ddp.py``."""
+    return Path(__file__).with_name("worker.py")
+
+
+def write_worker(config: TrainConfig, run_dir: str | os.PathLike) -> Path:
+    """Write ``run_dir/train_ddp.py`` (a byte copy of ``ddpnb/worker.py``) and ``config.json``.
+
+    The pair runs anywhere torch is installed:
+    ``torchrun --nproc_per_node 2 train_ddp.py --config config.json``.
+
+    Example
+    -------
+    >>> write_worker(TrainConfig(data_dir="data/digits"), "runs/x")   # doctest: +SKIP
+    PosixPath('runs/x/train_ddp.py')
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / WORKER_NAME
+    shutil.copyfile(worker_source(), target)
+    config.save(run_dir / "config.json")
+    return target
+
+
+def existing_run(run_dir: Path) -> list[str]:
+    """Names of run products already in run_dir."""
+    return [p for p in PRODUCTS if (run_dir / p).exists()] if run_dir.is_dir() else []
+
+
+def prepare_run_dir(
+    config: TrainConfig,
+    run_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> Path:
+    """Apply the run-directory rules before anything is written.
+
+    A directory holding a run raises :class:`RunDirError` unless ``resume`` (same
+    config, continue from its checkpoint) or ``overwrite`` (remove its products).
+    """
+    run_dir = Path(run_dir)
+    if resume and overwrite:
+        raise RunDirError("Pass either resume=True or overwrite=True, not both.")
+    found = existing_run(run_dir)
+    if found and not (resume or overwrite):
+        done = _epochs_done(run_dir)
+        raise RunDirError(
+            f"{run_dir} already holds a run ({done} epoch(s) recorded; found {', '.join(found)}). "
+            "Nothing was changed. Pass resume=True (CLI: --resume) to continue it from its "
+            "checkpoint, overwrite=True (CLI: --overwrite) to replace it, or choose another run_dir."
+        )
+    if resume and (run_dir / "config.json").exists():
+        try:
+            old = json.loads((run_dir / "config.json").read_text())
+        except ValueError:
+            old = {}
+        new = config.to_dict()
+        changed = sorted(
+            k for k in new if k not in ("epochs", "timeout_seconds") and old.get(k) != new[k]
+        )
+        if changed:
+            raise RunDirError(
+                f"{run_dir} holds a run with a different config (differs in: {', '.join(changed)}). "
+                "Resume with the same settings (only epochs may grow), or pass overwrite=True "
+                "to replace that run, or choose another run_dir."
+            )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".ddpnb-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(
+            f"Run directory {run_dir} is not writable ({e.strerror}). Choose a folder you can "
+            "write to, or fix its permissions."
+        ) from e
+    if overwrite:
+        for name in found:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return run_dir
+
+
+def _epochs_done(run_dir: Path) -> int:
+    try:
+        return sum(
+            1 for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
+        )
+    except OSError:
+        return 0

@@ -1,0 +1,663 @@
+"""ddpnb's training worker: image classification with DistributedDataParallel.
+
+This file needs only torch, torchvision and the Python standard library, so it can
+be copied to any cluster node together with its ``config.json``. ddpnb writes both
+into the run directory; the outputs (``metrics.jsonl``, ``ranks/``,
+``checkpoints/``, ``progress.json``) go next to the config.
+
+One node, two processes::
+
+    torchrun --nnodes 1 --nproc_per_node 2 train_ddp.py --config config.json
+
+Two nodes, one process each. Node 0 is the master: it hosts the rendezvous at
+``--master_addr:--master_port``, which every node must be able to reach::
+
+    # on node 0 (say its address is 10.0.0.1)
+    torchrun --nnodes 2 --node_rank 0 --nproc_per_node 1 \\
+        --master_addr 10.0.0.1 --master_port 29500 train_ddp.py --config config.json
+    # on node 1
+    torchrun --nnodes 2 --node_rank 1 --nproc_per_node 1 \\
+        --master_addr 10.0.0.1 --master_port 29500 train_ddp.py --config config.json
+
+Without torchrun it trains as one process: ``python train_ddp.py --config config.json``.
+
+Every node needs the same dataset at ``data_dir``: at start-up the ranks compare
+dataset fingerprints and stop if they differ. The rendezvous store is not
+authenticated: run multi-node jobs on trusted networks only.
+
+Environment read besides torchrun's: ``DDPNB_PROCS_ON_HOST`` (processes sharing
+this host's cores, simulated nodes included; set by ddpnb's launcher) and
+``DDPNB_FAULT`` (a teaching/testing aid, e.g. ``rank=1,epoch=3,step=5`` SIGKILLs
+global rank 1 at that step of the first attempt; ``mode=raise`` raises instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torchvision import transforms
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+MEMORY_PIPELINE_BYTES = 2 << 30  # decode into RAM when the uint8 tensors fit in this
+PROGRESS_INTERVAL = 0.25  # seconds between progress.json writes
+
+
+# -----------------------------------------------------------------------------
+# helpers (pure functions; the training itself is in main() below)
+
+
+def dataset_files(root: str | os.PathLike) -> list[tuple[str, Path]]:
+    """Sorted (relative path, path) of every file under root/train and root/val."""
+    root = Path(root)
+    files = []
+    for split in ("train", "val"):
+        for dirpath, dirnames, filenames in os.walk(root / split):
+            dirnames.sort()
+            for name in sorted(filenames):
+                path = Path(dirpath) / name
+                files.append((path.relative_to(root).as_posix(), path))
+    files.sort()
+    return files
+
+
+def dataset_fingerprint(root: str | os.PathLike) -> str:
+    """sha256 over the sorted relative paths and contents of train/ and val/.
+
+    Files are streamed in 1 MiB blocks, so memory stays flat for any dataset size.
+    """
+    digest = hashlib.sha256()
+    for rel, path in dataset_files(root):
+        digest.update(rel.encode() + b"\0")
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def parse_fault(spec: str) -> dict:
+    """Parse DDPNB_FAULT ('rank=1,epoch=3,step=5[,mode=kill|raise][,restart=0]')."""
+    fault = {"rank": 0, "epoch": 1, "step": 0, "mode": "kill", "restart": 0}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, _, value = item.partition("=")
+        if key not in fault:
+            raise ValueError(f"DDPNB_FAULT: unknown key {key!r} in {spec!r}")
+        fault[key] = value if key == "mode" else int(value)
+    return fault
+
+
+def threads_for_host(procs_on_host: int) -> int:
+    # Each process gets its share of the host's cores: N simulated nodes x P processes
+    # with default threads each would oversubscribe the cores (8x slower measured).
+    return max(1, (os.cpu_count() or 1) // max(1, procs_on_host))
+
+
+def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
+    """Give a torchvision classifier a fresh final layer with num_classes outputs."""
+    if isinstance(getattr(model, "fc", None), nn.Linear):  # ResNet, RegNet, GoogLeNet...
+        model.fc = nn.Linear(model.fc.in_features, num_classes)
+        return model
+    for owner_name in ("classifier", "heads", "head"):
+        owner = getattr(model, owner_name, None)
+        if isinstance(owner, nn.Linear):
+            setattr(model, owner_name, nn.Linear(owner.in_features, num_classes))
+            return model
+        if isinstance(owner, nn.Sequential):
+            # The last Linear (VGG, EfficientNet, ViT) or 1x1 Conv (SqueezeNet) is the head.
+            for i in reversed(range(len(owner))):
+                layer = owner[i]
+                if isinstance(layer, nn.Linear):
+                    owner[i] = nn.Linear(layer.in_features, num_classes)
+                    return model
+                if isinstance(layer, nn.Conv2d):
+                    owner[i] = nn.Conv2d(layer.in_channels, num_classes, layer.kernel_size)
+                    return model
+    raise ValueError(f"Cannot find the classification head of {type(model).__name__}.")
+
+
+def load_local_weights(model: nn.Module, path: str) -> list[str]:
+    """Load a state-dict file, skipping head tensors whose shapes no longer fit."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"weights={path!r} is not a loadable state-dict file: {e}") from e
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]  # a ddpnb checkpoint
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"weights={path!r} does not hold a state dict (name -> tensor).")
+    own = model.state_dict()
+    skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+    state = {k: v for k, v in state.items() if k not in skipped}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in skipped]
+    if missing or unexpected:
+        raise ValueError(
+            f"weights={path!r} does not fit model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return skipped
+
+
+def build_model(cfg: dict, num_classes: int) -> tuple[nn.Module, str]:
+    weights = cfg["weights"]
+    note = "random init"
+    if weights is not None and weights != "DEFAULT" and not Path(weights).is_file():
+        raise FileNotFoundError(f"weights file {weights!r} does not exist.")
+    try:
+        model = torchvision.models.get_model(
+            cfg["model"], weights="DEFAULT" if weights == "DEFAULT" else None, **cfg["model_kwargs"]
+        )
+    except OSError as e:  # URLError is an OSError: no network for the download
+        raise RuntimeError(
+            f"Could not download the pretrained weights of {cfg['model']} ({e}). No network is "
+            "available: pass weights=None to train from scratch, or the path of a local "
+            "state-dict file."
+        ) from e
+    if weights == "DEFAULT":
+        note = "torchvision DEFAULT weights"
+    replace_head(model, num_classes)
+    if weights not in (None, "DEFAULT"):
+        skipped = load_local_weights(model, weights)
+        note = f"weights from {weights}" + (f" (head re-initialised: {skipped})" if skipped else "")
+    return model, note
+
+
+def resolve_augment(cfg: dict, data_dir: Path) -> str:
+    if cfg["augment"] != "auto":
+        return cfg["augment"]
+    try:
+        source = json.loads((data_dir / "manifest.json").read_text()).get("source")
+    except (OSError, ValueError):
+        source = None
+    return "digits" if source == "digits" else "photo"
+
+
+def loader_transforms(augment: str, size: int) -> tuple[transforms.Compose, transforms.Compose]:
+    """The classic per-sample torchvision pipelines (train, val)."""
+    tail = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    val = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), *tail])
+    if augment == "photo":
+        train = [transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip()]
+    elif augment == "digits":
+        # No flips: a mirrored digit is another shape.
+        train = [
+            transforms.Resize(size),
+            transforms.CenterCrop(size),
+            transforms.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)),
+        ]
+    else:
+        train = [transforms.Resize(size), transforms.CenterCrop(size)]
+    return transforms.Compose([*train, *tail]), val
+
+
+def decode_all(samples: list[tuple[str, int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode an ImageFolder's samples once into uint8 [N, 3, size, size] and labels."""
+    base = transforms.Compose(
+        [transforms.Resize(size), transforms.CenterCrop(size), transforms.PILToTensor()]
+    )
+    images = torch.empty((len(samples), 3, size, size), dtype=torch.uint8)
+    for i, (path, _) in enumerate(samples):
+        images[i] = base(torchvision.datasets.folder.default_loader(path))
+    labels = torch.tensor([label for _, label in samples], dtype=torch.long)
+    return images, labels
+
+
+def augment_batch(x: torch.Tensor, augment: str, gen: torch.Generator) -> torch.Tensor:
+    """Random per-sample affine crops on a float batch, as one grid_sample call."""
+    n = x.shape[0]
+    if augment == "none" or n == 0:
+        return x
+    u = torch.rand((n, 4), generator=gen).to(x.device)
+    if augment == "digits":  # mild: +-10 degrees, 0.9-1.1 scale, +-10% shift
+        angle = (u[:, 0] * 2 - 1) * math.radians(10)
+        scale = 1 / (0.9 + 0.2 * u[:, 1])
+        sx = sy = scale
+        tx, ty = (u[:, 2] * 2 - 1) * 0.2, (u[:, 3] * 2 - 1) * 0.2
+        flip = torch.ones(n, device=x.device)
+    else:  # RandomResizedCrop(scale=(0.08, 1), ratio=(3/4, 4/3)) + horizontal flip
+        area = 0.08 + 0.92 * u[:, 0]
+        ratio = torch.exp(math.log(3 / 4) + (math.log(4 / 3) - math.log(3 / 4)) * u[:, 1])
+        sx = torch.sqrt(area * ratio).clamp(max=1.0)
+        sy = torch.sqrt(area / ratio).clamp(max=1.0)
+        tx, ty = (u[:, 2] * 2 - 1) * (1 - sx), (u[:, 3] * 2 - 1) * (1 - sy)
+        angle = torch.zeros(n, device=x.device)
+        flip = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).to(x.device)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    theta = torch.stack(
+        [
+            torch.stack([sx * cos * flip, -sy * sin, tx], dim=1),
+            torch.stack([sx * sin * flip, sy * cos, ty], dim=1),
+        ],
+        dim=1,
+    ).to(x.dtype)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temp file, fsync and rename, so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, record_: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record_) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def keep_epochs_upto(path: Path, last_epoch: int) -> None:
+    """Drop lines of epochs after last_epoch: they are redone after a restart."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln)["epoch"] <= last_epoch]
+    if len(kept) != len(lines):
+        atomic_write_bytes(path, "".join(ln + "\n" for ln in kept).encode())
+
+
+def checkpoint_config(cfg: dict) -> dict:
+    # Fields that may change on resume without invalidating the checkpoint.
+    return {k: v for k, v in cfg.items() if k not in ("epochs", "timeout_seconds")}
+
+
+# -----------------------------------------------------------------------------
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="config.json written by ddpnb")
+    parser.add_argument("--run-dir", help="where outputs go (default: the config's folder)")
+    args = parser.parse_args(argv)
+    cfg = json.loads(Path(args.config).read_text())
+    run_dir = Path(args.run_dir or Path(args.config).resolve().parent)
+    data_dir = Path(cfg["data_dir"])
+    if not data_dir.is_absolute() and not data_dir.exists():
+        data_dir = run_dir / data_dir  # a relative data_dir may be relative to the run
+
+    # -- who am I: torchrun's environment (or one plain process) -----------------
+    distributed = "RANK" in os.environ
+    global_rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    node_rank = int(os.environ.get("GROUP_RANK", 0))
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    master_process = global_rank == 0  # does the run's file I/O
+    fault = parse_fault(os.environ["DDPNB_FAULT"]) if os.environ.get("DDPNB_FAULT") else None
+
+    # ddpnb's launcher has torchrun prefix every line with the rank already.
+    prefix = "" if os.environ.get("DDPNB_LAUNCHED") else f"[rank {global_rank}] "
+
+    def log(msg: str) -> None:
+        print(prefix + msg, flush=True)
+
+    use_cuda = torch.cuda.is_available() and cfg["backend"] != "gloo"
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        procs_on_host = int(os.environ.get("DDPNB_PROCS_ON_HOST", local_world_size))
+        threads = cfg["threads"] or threads_for_host(procs_on_host)
+        torch.set_num_threads(threads)
+    backend = cfg["backend"] if cfg["backend"] != "auto" else ("nccl" if use_cuda else "gloo")
+    if distributed:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg["timeout_seconds"]))
+    log(
+        f"node {node_rank} local_rank {local_rank} of world_size {world_size} on "
+        f"{socket.gethostname()}, {device}, backend {backend if distributed else 'none'}, "
+        f"threads {torch.get_num_threads()}, attempt {restart_count}"
+    )
+
+    # -- every node must hold the same dataset --------------------------------------
+    fingerprint = dataset_fingerprint(data_dir)
+    if distributed:
+        seen = [None] * world_size
+        dist.all_gather_object(seen, (node_rank, socket.gethostname(), fingerprint))
+        differing = sorted({(n, h) for n, h, fp in seen if fp != seen[0][2]})
+        if differing:
+            names = ", ".join(f"node {n} ({h})" for n, h in differing)
+            raise RuntimeError(
+                f"The dataset at {data_dir} differs between nodes: {names} hold data whose "
+                f"fingerprint differs from node 0's ({seen[0][2][:12]}). Copy the identical "
+                "dataset to every node (rsync -a, or a shared filesystem) and run again."
+            )
+
+    if master_process:  # every rank got here: the rendezvous is complete
+        joined = {
+            "phase": "joined",
+            "world_size": world_size,
+            "time": time.time(),
+            "restart_count": restart_count,
+        }
+        progress_path = run_dir / "progress.json"
+        atomic_write_bytes(progress_path, json.dumps(joined).encode())
+
+    # -- data -----------------------------------------------------------------------
+    augment = resolve_augment(cfg, data_dir)
+    size = cfg["image_size"]
+    train_tf, val_tf = loader_transforms(augment, size)
+    train_set = torchvision.datasets.ImageFolder(data_dir / "train", transform=train_tf)
+    val_set = torchvision.datasets.ImageFolder(data_dir / "val", transform=val_tf)
+    if train_set.classes != val_set.classes:
+        raise ValueError(f"train/ and val/ of {data_dir} hold different classes.")
+    num_classes = len(train_set.classes)
+    pipeline = cfg["pipeline"]
+    if pipeline == "auto":
+        need = (len(train_set) + len(val_set)) * 3 * size * size
+        pipeline = "memory" if need <= MEMORY_PIPELINE_BYTES else "loader"
+    train_sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=global_rank, shuffle=True, seed=cfg["seed"]
+    )
+    # Validation shards without padding: rank r takes every world_size-th image, so each
+    # image is counted exactly once and the result does not depend on world size.
+    val_indices = list(range(global_rank, len(val_set), world_size))
+    batch_size = cfg["batch_size"]
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
+    if pipeline == "memory":
+        # Decoded once; batches are slices, augmented on tensors: no per-sample collation
+        # and no DataLoader processes competing with compute on a small host.
+        train_images, train_labels = decode_all(train_set.samples, size)
+        val_images, val_labels = decode_all([val_set.samples[i] for i in val_indices], size)
+
+        def train_batches(epoch: int, gen: torch.Generator):
+            order = torch.tensor(list(train_sampler), dtype=torch.long)
+            for start in range(0, len(order), batch_size):
+                idx = order[start : start + batch_size]
+                x = train_images[idx].to(device, non_blocking=True).float().div_(255)
+                x = augment_batch(x, augment, gen)
+                yield (x - mean) / std, train_labels[idx].to(device, non_blocking=True)
+
+        def val_batches():
+            for start in range(0, len(val_labels), batch_size):
+                x = val_images[start : start + batch_size].to(device).float().div_(255)
+                yield (x - mean) / std, val_labels[start : start + batch_size].to(device)
+    else:
+        loader_args = dict(
+            batch_size=batch_size, num_workers=cfg["num_workers"], pin_memory=use_cuda
+        )
+        train_loader = DataLoader(train_set, sampler=train_sampler, **loader_args)
+        val_loader = DataLoader(Subset(val_set, val_indices), shuffle=False, **loader_args)
+
+        def train_batches(epoch: int, gen: torch.Generator):
+            for x, y in train_loader:
+                yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+        def val_batches():
+            for x, y in val_loader:
+                yield x.to(device), y.to(device)
+
+    steps_per_epoch = math.ceil(len(train_sampler) / batch_size)
+    if cfg["max_steps_per_epoch"]:
+        steps_per_epoch = min(steps_per_epoch, cfg["max_steps_per_epoch"])
+
+    # -- model and optimizer ---------------------------------------------------------
+    torch.manual_seed(cfg["seed"])  # identical init everywhere (DDP also broadcasts rank 0's)
+    model, weights_note = build_model(cfg, num_classes)
+    model = model.to(device, memory_format=memory_format)
+    if distributed:
+        model = DDP(
+            model,
+            device_ids=[local_rank] if use_cuda else None,
+            bucket_cap_mb=cfg["bucket_cap_mb"],
+            gradient_as_bucket_view=True,
+        )
+        if cfg["comm_hook"] != "none":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = {
+                "bf16": default_hooks.bf16_compress_hook,
+                "fp16": default_hooks.fp16_compress_hook,
+            }
+            model.register_comm_hook(None, hook[cfg["comm_hook"]])
+    raw_model = model.module if distributed else model
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"]
+    )
+    total_steps = cfg["epochs"] * steps_per_epoch
+    if cfg["lr_schedule"] == "cosine":
+        schedule = lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))  # noqa: E731
+    else:
+        schedule = lambda step: 1.0  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    criterion = nn.CrossEntropyLoss()
+    amp = cfg["amp"] and use_cuda  # bf16 autocast on CUDA; CPU trains in fp32
+
+    # -- resume from the last checkpoint (also after a torchrun restart) -----------
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_path = ckpt_dir / "last.pt"
+    metrics_path = run_dir / "metrics.jsonl"
+    rank_path = run_dir / "ranks" / f"rank-{global_rank}.jsonl"
+    progress_path = run_dir / "progress.json"
+    start_epoch = 1
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        if checkpoint_config(ckpt["config"]) != checkpoint_config(cfg):
+            changed = sorted(
+                k for k in checkpoint_config(cfg) if ckpt["config"].get(k) != cfg.get(k)
+            )
+            raise RuntimeError(
+                f"{ckpt_path} was written with a different config (changed: {changed}). "
+                "Resume with the original config, or start a new run (another run_dir, "
+                "or overwrite=True)."
+            )
+        if ckpt["fingerprint"] != fingerprint:
+            raise RuntimeError(
+                f"{ckpt_path} was trained on another dataset (fingerprint "
+                f"{ckpt['fingerprint'][:12]}, now {fingerprint[:12]}). Resume on the original "
+                "data, or start a new run."
+            )
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        start_epoch = ckpt["epoch"] + 1
+        log(f"resumed from {ckpt_path} after epoch {ckpt['epoch']}")
+    if master_process:
+        keep_epochs_upto(metrics_path, start_epoch - 1)
+    rank_path.parent.mkdir(parents=True, exist_ok=True)
+    keep_epochs_upto(rank_path, start_epoch - 1)
+    if master_process:
+        log(
+            f"{cfg['model']} ({weights_note}), {num_classes} classes, augment {augment}, "
+            f"pipeline {pipeline}, {steps_per_epoch} steps/epoch, global batch "
+            f"{batch_size * world_size}"
+        )
+
+    # -- training ------------------------------------------------------------------
+    last_progress = 0.0
+    for epoch in range(start_epoch, cfg["epochs"] + 1):
+        train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        # Augmentation randomness depends only on (seed, rank, epoch): a resumed epoch
+        # sees exactly what the uninterrupted one saw.
+        gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + global_rank * 1009 + epoch)
+        model.train()
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss*n, correct, n
+        data_wait = compute = 0.0
+        epoch_start = time.perf_counter()
+        batches = train_batches(epoch, gen)
+        for step in range(steps_per_epoch):
+            t0 = time.perf_counter()
+            x, y = next(batches)
+            t1 = time.perf_counter()
+            x = x.contiguous(memory_format=memory_format)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                logits = model(x)
+                loss = criterion(logits, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP all-reduces gradient buckets while backward runs
+            optimizer.step()
+            scheduler.step()
+            n = y.shape[0]
+            sums += torch.stack(
+                [
+                    loss.detach().double() * n,
+                    (logits.argmax(1) == y).sum().double(),
+                    torch.tensor(float(n), dtype=torch.float64, device=device),
+                ]
+            )
+            data_wait += t1 - t0
+            compute += time.perf_counter() - t1
+            if (
+                fault
+                and global_rank == fault["rank"]
+                and epoch == fault["epoch"]
+                and step == fault["step"]
+                and restart_count == fault["restart"]
+            ):
+                log(f"DDPNB_FAULT: {fault['mode']} at epoch {epoch} step {step}")
+                if fault["mode"] == "raise":
+                    raise RuntimeError(f"DDPNB_FAULT injected failure at epoch {epoch} step {step}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            now = time.perf_counter()
+            if master_process and (
+                now - last_progress > PROGRESS_INTERVAL or step + 1 == steps_per_epoch
+            ):
+                last_progress = now
+                progress = {
+                    "phase": "train",
+                    "epoch": epoch,
+                    "epochs": cfg["epochs"],
+                    "step": step + 1,
+                    "steps": steps_per_epoch,
+                    "loss": loss.item(),
+                    "restart_count": restart_count,
+                    "time": time.time(),
+                }
+                atomic_write_bytes(progress_path, json.dumps(progress).encode())
+        if use_cuda:
+            torch.cuda.synchronize()
+        train_seconds = time.perf_counter() - epoch_start
+
+        # Validation on the unwrapped model: no DDP collectives inside, so ranks whose
+        # shards differ by one batch cannot hang each other.
+        model.eval()
+        val_sums = torch.zeros(3, dtype=torch.float64, device=device)
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            for x, y in val_batches():
+                logits = raw_model(x.contiguous(memory_format=memory_format))
+                n = y.shape[0]
+                val_sums += torch.stack(
+                    [
+                        criterion(logits.float(), y).double() * n,
+                        (logits.argmax(1) == y).sum().double(),
+                        torch.tensor(float(n), dtype=torch.float64, device=device),
+                    ]
+                )
+        local_train_samples = int(sums[2].item())
+        local_val_samples = int(val_sums[2].item())
+        totals = torch.cat([sums, val_sums])
+        if distributed:
+            dist.all_reduce(totals)  # sums and counts, never means of means
+        train_loss, train_correct, train_n, val_loss, val_correct, val_n = totals.tolist()
+        epoch_seconds = time.perf_counter() - epoch_start
+
+        append_jsonl(
+            rank_path,
+            {
+                "epoch": epoch,
+                "global_rank": global_rank,
+                "local_rank": local_rank,
+                "node_rank": node_rank,
+                "train_samples": local_train_samples,
+                "val_samples": local_val_samples,
+                "images_per_second": local_train_samples / train_seconds,
+                "data_wait_seconds": data_wait,
+                "compute_seconds": compute,
+                "restart_count": restart_count,
+            },
+        )
+        if master_process:
+            row = {
+                "epoch": epoch,
+                "world_size": world_size,
+                "train_loss": train_loss / train_n,
+                "train_acc": train_correct / train_n,
+                "val_loss": val_loss / max(val_n, 1),
+                "val_acc": val_correct / max(val_n, 1),
+                "train_samples": int(train_n),
+                "val_samples": int(val_n),
+                "epoch_seconds": epoch_seconds,
+                "images_per_second": train_n / train_seconds,
+                "restart_count": restart_count,
+                "lr": scheduler.get_last_lr()[0],
+            }
+            append_jsonl(metrics_path, row)
+            log(
+                f"epoch {epoch}/{cfg['epochs']} train_loss {row['train_loss']:.4f} "
+                f"val_acc {row['val_acc']:.4f} {row['images_per_second']:.0f} img/s"
+            )
+            if epoch % cfg["checkpoint_every"] == 0 or epoch == cfg["epochs"]:
+                ckpt_dir.mkdir(exist_ok=True)
+                ckpt = {
+                    "model": raw_model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "epoch": epoch,
+                    "sampler_epoch": epoch,
+                    "config": cfg,
+                    "fingerprint": fingerprint,
+                    "rng": {
+                        "torch": torch.get_rng_state(),
+                        "python": list(random.getstate()[1]),
+                        "cuda": torch.cuda.get_rng_state_all() if use_cuda else [],
+                    },
+                }
+                tmp = ckpt_dir / f".last.pt.{os.getpid()}.tmp"
+                try:
+                    with open(tmp, "wb") as f:
+                        torch.save(ckpt, f)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, ckpt_path)  # the previous checkpoint survives a failed write
+                except OSError:
+                    tmp.unlink(missing_ok=True)
+                    raise
+        if distributed:
+            dist.barrier()  # nobody starts the next epoch before the checkpoint is on disk
+
+    if master_process:
+        done = {
+            "phase": "done",
+            "epoch": cfg["epochs"],
+            "epochs": cfg["epochs"],
+            "step": steps_per_epoch,
+            "steps": steps_per_epoch,
+            "time": time.time(),
+            "restart_count": restart_count,
+        }
+        atomic_write_bytes(progress_path, json.dumps(done).encode())
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
