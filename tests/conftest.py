@@ -1,0 +1,79 @@
+"""Shared fixtures: datasets are built once per session; trainings run real torchrun."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import ddpnb
+
+# Tiny but real: 10 classes of the bundled digits. 37 val images is divisible by
+# neither 2 nor 3, so padded validation shards would show up in the counts.
+TRAIN_PER_CLASS = 12
+VAL_COUNTS = [4, 4, 4, 4, 4, 4, 4, 3, 3, 3]
+TINY = dict(image_size=16, epochs=2, batch_size=8, lr=0.05, timeout_seconds=30)
+
+
+def make_imagefolder(root: Path, train_per_class: int, val_counts: list[int], size: int = 16) -> Path:
+    """A small ImageFolder of real digits images."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = (digits.images * (255 / 16)).astype(np.uint8)
+    for c in range(10):
+        idx = np.flatnonzero(digits.target == c)
+        for split, chosen in (
+            ("train", idx[:train_per_class]),
+            ("val", idx[train_per_class : train_per_class + val_counts[c]]),
+        ):
+            d = root / split / str(c)
+            d.mkdir(parents=True, exist_ok=True)
+            for i in chosen:
+                Image.fromarray(images[i]).resize((size, size)).save(d / f"{i:04d}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    root = make_imagefolder(tmp_path_factory.mktemp("data") / "tiny", TRAIN_PER_CLASS, VAL_COUNTS)
+    ddpnb.inspect_dataset(root, show=False)  # writes the manifest once
+    return root
+
+
+@pytest.fixture(scope="session")
+def digits_data(tmp_path_factory) -> Path:
+    return ddpnb.prepare_digits(tmp_path_factory.mktemp("digits") / "digits", image_size=16)
+
+
+@pytest.fixture()
+def data_copy(tiny_data, tmp_path) -> Path:
+    """A private copy of the tiny dataset that a test may damage."""
+    return Path(shutil.copytree(tiny_data, tmp_path / "data"))
+
+
+def tiny_config(data_dir, **changes) -> ddpnb.TrainConfig:
+    return ddpnb.TrainConfig(data_dir=str(data_dir), **{**TINY, **changes})
+
+
+_runs: dict = {}
+
+
+@pytest.fixture(scope="session")
+def layout_run(tiny_data, tmp_path_factory):
+    """Run (and cache) a tiny training for a layout 'NODESxPROCS'."""
+
+    def run(layout: str):
+        if layout not in _runs:
+            nnodes, nproc = map(int, layout.split("x"))
+            run_dir = tmp_path_factory.mktemp(f"run-{layout}")
+            job = ddpnb.launch(
+                tiny_config(tiny_data), run_dir, nnodes=nnodes, nproc_per_node=nproc, progress="none"
+            )
+            _runs[layout] = job
+        return _runs[layout]
+
+    return run
