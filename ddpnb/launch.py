@@ -33,6 +33,8 @@ from .rundir import WORKER_NAME, prepare_run_dir, write_worker
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 4.0
+# Messages of ranks that failed only because a peer died first.
+SECONDARY_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 # -- validation -------------------------------------------------------------------
@@ -441,19 +443,19 @@ class Job:
         return None
 
     def _failure(self, failed: dict[int, int]) -> WorkerFailed:
-        # Give the other agents a moment to write their error files, then pick the
-        # earliest worker error: later ones are usually peers losing their connection.
+        # Give the other agents a moment to write their error files, then pick the root
+        # cause: peers that lost their connection to a dead rank fail later and say so.
         time.sleep(0.5)
         errors = []
         for node in self.procs:
             for path in (self.run_dir / "logs" / f"node-{node}").glob("*/attempt_*/*/error.json"):
                 info = _read_error_file(path)
                 if info:
-                    local_rank = int(path.parent.name)
-                    errors.append(
-                        (info["timestamp"], node, node * self.nproc_per_node + local_rank, info)
-                    )
+                    rank = node * self.nproc_per_node + int(path.parent.name)
+                    secondary = any(w in info["message"] for w in SECONDARY_ERRORS)
+                    errors.append(((secondary, path.stat().st_mtime), node, rank, info))
         node = min(failed)
+        tail = self.log_tail(node, 200)
         if errors:
             _, node, rank, info = min(errors, key=lambda e: e[0])
             exit_code = _worker_exit_code(self.log_tail(node, 200), rank)
@@ -466,23 +468,35 @@ class Job:
                 traceback=info["traceback"],
                 log_tail=self.log_tail(node),
             )
-        tail = self.log_tail(node, 200)
+        joined = re.search(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+)", tail)
+        if joined or "RendezvousTimeoutError" in tail:
+            counted = f" ({joined.group(1)} of {joined.group(2)} nodes joined)" if joined else ""
+            missing = [n for n in range(self.nnodes) if n not in self.procs]
+            hint = (
+                f" Nodes {missing} were not started by this launch: run their commands "
+                "(ddpnb.node_commands) on their hosts."
+                if missing
+                else ""
+            )
+            return RendezvousTimeout(
+                f"The rendezvous at {self.master_addr}:{self.master_port} timed out after "
+                f"{self.rdzv_timeout} s{counted}: not all {self.nnodes} nodes joined.{hint} "
+                "Check that every node can reach master_addr:master_port and uses the same "
+                "nnodes. The other nodes were stopped.",
+                node_rank=node,
+                exit_code=failed[node],
+                log_tail=self.log_tail(node, 5),
+            )
         rank = _first_failed_rank(tail)
         exit_code = _worker_exit_code(tail, rank) if rank is not None else failed[node]
-        text = self.log_tail(node, 40)
-        kind = (
-            RendezvousTimeout
-            if "RendezvousTimeoutError" in tail or "timed out" in tail
-            else WorkerFailed
-        )
-        return kind(
+        return WorkerFailed(
             f"Node {node}'s torchrun exited with code {failed[node]}"
             + (f" (worker global rank {rank}, exit code {exit_code})" if rank is not None else "")
             + ". The other nodes were stopped.",
             node_rank=node,
             global_rank=rank,
             exit_code=exit_code,
-            log_tail=text,
+            log_tail=self.log_tail(node, 40),
         )
 
     def __repr__(self) -> str:
@@ -507,12 +521,14 @@ def _read_error_file(path: Path) -> dict | None:
 
 
 def _first_failed_rank(text: str) -> int | None:
-    m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank", text)
+    m = re.search(r"^\s*rank\s*:\s*(\d+) \(local_rank", text, re.M)
     return int(m.group(1)) if m else None
 
 
 def _worker_exit_code(text: str, rank: int | None) -> int | None:
-    for m in re.finditer(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", text, re.S):
+    # torchrun's failure summary: "rank : 1 (local_rank: 0)" then "exitcode : 1 (pid: ...)".
+    pattern = r"^\s*rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)"
+    for m in re.finditer(pattern, text, re.M):
         if rank is None or int(m.group(1)) == rank:
             return int(m.group(2))
     return None

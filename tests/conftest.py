@@ -18,7 +18,9 @@ VAL_COUNTS = [4, 4, 4, 4, 4, 4, 4, 3, 3, 3]
 TINY = dict(image_size=16, epochs=2, batch_size=8, lr=0.05, timeout_seconds=30)
 
 
-def make_imagefolder(root: Path, train_per_class: int, val_counts: list[int], size: int = 16) -> Path:
+def make_imagefolder(
+    root: Path, train_per_class: int, val_counts: list[int], size: int = 16
+) -> Path:
     """A small ImageFolder of real digits images."""
     from sklearn.datasets import load_digits
 
@@ -71,7 +73,11 @@ def layout_run(tiny_data, tmp_path_factory):
             nnodes, nproc = map(int, layout.split("x"))
             run_dir = tmp_path_factory.mktemp(f"run-{layout}")
             job = ddpnb.launch(
-                tiny_config(tiny_data), run_dir, nnodes=nnodes, nproc_per_node=nproc, progress="none"
+                tiny_config(tiny_data),
+                run_dir,
+                nnodes=nnodes,
+                nproc_per_node=nproc,
+                progress="none",
             )
             _runs[layout] = job
         return _runs[layout]

@@ -9,7 +9,11 @@ from ddpnb.errors import ConfigError
 def test_defaults_match_the_brief():
     cfg = TrainConfig()
     assert (cfg.model, cfg.weights, cfg.image_size, cfg.epochs, cfg.batch_size) == (
-        "resnet18", None, 32, 8, 64,
+        "resnet18",
+        None,
+        32,
+        8,
+        64,
     )
     assert (cfg.lr, cfg.momentum, cfg.weight_decay, cfg.seed) == (0.05, 0.9, 5e-4, 0)
     assert cfg.backend == "auto" and cfg.checkpoint_every == 1

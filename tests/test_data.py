@@ -129,9 +129,12 @@ def test_cli_prep_and_check_ok(tmp_path):
     out = tmp_path / "d"
     r = subprocess.run(
         [sys.executable, "-m", "ddpnb", "prep", "--out", str(out), "--image-size", "8"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stderr
     assert "no problems found" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "ddpnb", "check", str(out)], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "ddpnb", "check", str(out)], capture_output=True, text=True
+    )
     assert r.returncode == 0 and "1437" in r.stdout

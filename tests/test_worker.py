@@ -39,7 +39,9 @@ def test_metrics_and_rank_files(layout_run, layout):
         recs = [ranks[r][epoch - 1] for r in ranks]
         assert sum(r["val_samples"] for r in recs) == VAL_SIZE
         # DistributedSampler pads train shards to equal size: they cover the split.
-        assert sum(r["train_samples"] for r in recs) == math.ceil(TRAIN_SIZE / world_size) * world_size
+        assert (
+            sum(r["train_samples"] for r in recs) == math.ceil(TRAIN_SIZE / world_size) * world_size
+        )
         assert {r["node_rank"] for r in recs} == set(range(nnodes))
         assert {r["local_rank"] for r in recs} == set(range(nproc))
         for r in recs:
@@ -68,7 +70,8 @@ def test_plain_python_run_is_world_size_one(tiny_data, tmp_path):
     ddpnb.write_worker(cfg, tmp_path)
     subprocess.run(
         [sys.executable, str(tmp_path / "train_ddp.py"), "--config", str(tmp_path / "config.json")],
-        check=True, capture_output=True,
+        check=True,
+        capture_output=True,
     )
     (row,) = ddpnb.load_metrics(tmp_path).epochs
     assert row["world_size"] == 1 and row["val_samples"] == VAL_SIZE
@@ -83,7 +86,8 @@ def test_accuracy_rises_on_digits(digits_data, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name, attr", [("resnet18", "fc"), ("mobilenet_v3_small", "classifier"), ("squeezenet1_1", "classifier")]
+    "name, attr",
+    [("resnet18", "fc"), ("mobilenet_v3_small", "classifier"), ("squeezenet1_1", "classifier")],
 )
 def test_head_replacement(name, attr):
     model = replace_head(torchvision.models.get_model(name), 7)
