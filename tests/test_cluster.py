@@ -1,0 +1,134 @@
+import shlex
+import subprocess
+import sys
+
+import pytest
+from conftest import tiny_config
+
+import ddpnb
+from ddpnb.errors import ConfigError
+from ddpnb.launch import free_port
+
+
+def test_static_node_commands():
+    cmds = ddpnb.node_commands(
+        ddpnb.TrainConfig(),
+        "/shared/run",
+        hosts=["10.0.0.1", "10.0.0.2"],
+        nproc_per_node=4,
+        master_port=29400,
+    )
+    assert len(cmds) == 2
+    for rank, cmd in enumerate(cmds):
+        argv = shlex.split(cmd)
+        assert argv[0] == "torchrun"
+        assert f"--node_rank={rank}" in argv and "--nnodes=2" in argv
+        assert "--master_addr=10.0.0.1" in argv and "--master_port=29400" in argv
+        assert "--nproc_per_node=4" in argv
+        assert argv[-3:] == ["/shared/run/train_ddp.py", "--config", "/shared/run/config.json"]
+
+
+def test_c10d_node_commands_are_identical_on_every_host():
+    cmds = ddpnb.node_commands(ddpnb.TrainConfig(), "/r", hosts=["a", "b", "c"], rendezvous="c10d")
+    assert len(set(cmds)) == 1
+    assert "--rdzv_backend=c10d" in cmds[0] and "--rdzv_endpoint=a:29500" in cmds[0]
+
+
+def test_node_rank_must_be_below_nnodes():
+    with pytest.raises(ConfigError, match="node_rank < nnodes"):
+        ddpnb.node_commands(ddpnb.TrainConfig(), "/r", hosts=["a", "b"], node_rank=2)
+
+
+def test_public_master_address_warns():
+    with pytest.warns(UserWarning, match="trusted private network"):
+        ddpnb.node_commands(ddpnb.TrainConfig(), "/r", hosts=["8.8.8.8", "10.0.0.2"])
+
+
+def test_slurm_script_content(tmp_path):
+    text = ddpnb.slurm_script(
+        ddpnb.TrainConfig(),
+        "/shared/run",
+        nnodes=4,
+        nproc_per_node=8,
+        gpus_per_node=8,
+        path=tmp_path / "train.sbatch",
+    )
+    assert (tmp_path / "train.sbatch").read_text() == text
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        'scontrol show hostnames "$SLURM_JOB_NODELIST"',
+        "srun torchrun",
+        '--nnodes "$SLURM_NNODES"',
+        "--rdzv_backend c10d",
+        '--rdzv_endpoint "$head_node:29500"',
+        "--nproc_per_node 8",
+        "/shared/run/train_ddp.py --config /shared/run/config.json",
+    ):
+        assert line in text
+    r = subprocess.run(["bash", "-n", str(tmp_path / "train.sbatch")])
+    assert r.returncode == 0
+
+
+def test_cli_commands_and_slurm(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "ddpnb", "commands", "--run-dir", "/r", "--hosts", "n1,n2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "# on n1, node_rank 0 (master" in r.stdout and "--node_rank=1" in r.stdout
+    assert "fingerprint" in r.stdout
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpnb",
+            "slurm",
+            "--run-dir",
+            "/r",
+            "--nnodes",
+            "3",
+            "--out",
+            str(tmp_path / "s.sbatch"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "#SBATCH --nodes=3" in (tmp_path / "s.sbatch").read_text()
+
+
+@pytest.mark.slow
+def test_nodes_with_different_data_refuse_to_train(tiny_data, data_copy, tmp_path):
+    # Node 0 through the launcher, node 1 by hand with the printed command, but on a
+    # copy of the data with one image changed: every rank must stop and name node 1.
+    img = next((data_copy / "train" / "0").iterdir())
+    img.write_bytes(
+        (tiny_data / "train" / "1" / next((tiny_data / "train" / "1").iterdir()).name).read_bytes()
+    )
+    port = free_port()
+    job = ddpnb.launch(
+        tiny_config(tiny_data),
+        tmp_path / "n0",
+        nnodes=2,
+        local_nodes=[0],
+        master_port=port,
+        wait=False,
+        progress="none",
+    )
+    ddpnb.write_worker(tiny_config(data_copy), tmp_path / "n1")
+    (cmd,) = ddpnb.node_commands(
+        tiny_config(data_copy),
+        tmp_path / "n1",
+        hosts=["127.0.0.1"] * 2,
+        master_port=port,
+        node_rank=1,
+    )
+    argv = shlex.split(cmd)
+    argv[0:1] = [sys.executable, "-m", "torch.distributed.run"]
+    other = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    with pytest.raises(ddpnb.WorkerFailed, match="differs between nodes: node 1"):
+        job.wait()
+    assert other.returncode != 0 and "differs between nodes: node 1" in other.stdout + other.stderr

@@ -1,0 +1,88 @@
+import json
+
+from matplotlib.figure import Figure
+
+import ddpnb
+
+
+def _fake_run(path, world_size, restart_at=None):
+    path.mkdir()
+    (path / "ranks").mkdir()
+    with open(path / "metrics.jsonl", "w") as f:
+        for e in range(1, 5):
+            restarts = int(restart_at is not None and e >= restart_at)
+            f.write(
+                json.dumps(
+                    {
+                        "epoch": e,
+                        "world_size": world_size,
+                        "train_loss": 2 / e,
+                        "train_acc": 0.2 * e,
+                        "val_loss": 2.2 / e,
+                        "val_acc": 0.21 * e,
+                        "train_samples": 100,
+                        "val_samples": 37,
+                        "epoch_seconds": 1.0,
+                        "images_per_second": 100.0 * world_size,
+                        "restart_count": restarts,
+                    }
+                )
+                + "\n"
+            )
+        f.write('{"epoch": 5, "trunc')  # a write in progress is skipped
+    for r in range(world_size):
+        with open(path / "ranks" / f"rank-{r}.jsonl", "w") as f:
+            f.write(json.dumps({"epoch": 4, "global_rank": r, "images_per_second": 100.0}) + "\n")
+    return path
+
+
+def test_load_metrics_skips_a_torn_line(tmp_path):
+    m = ddpnb.load_metrics(_fake_run(tmp_path / "a", 2))
+    assert m.series("epoch") == [1, 2, 3, 4] and sorted(m.ranks) == [0, 1]
+    assert m.final["val_acc"] == 0.84
+
+
+def test_plot_curves_overlays_runs_and_marks_restarts(tmp_path):
+    a = _fake_run(tmp_path / "a", 1)
+    b = _fake_run(tmp_path / "b", 2, restart_at=3)
+    fig = ddpnb.plot_curves([a, b], labels=["one", "two"])
+    assert isinstance(fig, Figure)
+    loss_ax, acc_ax = fig.axes
+    labels = [line.get_label() for line in acc_ax.get_lines()]
+    assert labels == ["one train", "one val", "two train", "two val", "two resumed"]
+    resumed = acc_ax.get_lines()[-1]
+    assert list(resumed.get_xdata()) == [3]
+    assert list(loss_ax.get_lines()[1].get_ydata()) == [2.2 / e for e in range(1, 5)]
+    fig.savefig(tmp_path / "c.png")
+
+
+def test_plot_throughput_bars(tmp_path):
+    fig = ddpnb.plot_throughput([_fake_run(tmp_path / "a", 1), _fake_run(tmp_path / "b", 2)])
+    heights = [p.get_height() for p in fig.axes[0].patches]
+    assert heights == [100.0, 100.0, 100.0, 100.0, 200.0]
+
+
+def test_cli_plot(tmp_path):
+    import subprocess
+    import sys
+
+    a = _fake_run(tmp_path / "a", 1)
+    out = tmp_path / "c.png"
+    subprocess.run([sys.executable, "-m", "ddpnb", "plot", str(a), "--out", str(out)], check=True)
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_import_has_no_side_effects():
+    import subprocess
+    import sys
+
+    code = (
+        "import os, logging, matplotlib\n"
+        "env = dict(os.environ); rc = dict(matplotlib.rcParams)\n"
+        "import ddpnb\n"
+        "assert dict(os.environ) == env\n"
+        "assert dict(matplotlib.rcParams) == rc\n"
+        "assert logging.getLogger('ddpnb').handlers == []\n"
+        "import torch; assert not torch.cuda.is_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
