@@ -1,0 +1,45 @@
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+# conda and PyPI spell a few packages differently
+CONDA_NAMES = {"pytorch": "torch"}
+
+
+def _name(spec: str) -> str:
+    return re.split(r"[<>=!~ \[]", spec.strip(), maxsplit=1)[0].lower()
+
+
+def test_environment_yml_names_the_same_packages_as_pyproject():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pypi = {_name(d) for d in deps}
+    import yaml
+
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda = {
+        CONDA_NAMES.get(_name(d), _name(d))
+        for d in env["dependencies"]
+        if isinstance(d, str) and _name(d) not in ("python", "pip")
+    }
+    assert conda == pypi
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert pip == ["-e ."] and env["name"] == "ddpnb"
+
+
+def test_console_script_and_module_entry_points():
+    r = subprocess.run([sys.executable, "-m", "ddpnb", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "prep" in r.stdout and "train" in r.stdout
+    exe = Path(sys.executable).with_name("ddpnb")
+    r = subprocess.run([str(exe), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0
+
+
+def test_public_api_is_small_and_declared():
+    import ddpnb
+
+    assert len(ddpnb.__all__) <= 16
+    assert all(hasattr(ddpnb, n) for n in ddpnb.__all__)
