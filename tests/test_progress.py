@@ -1,0 +1,56 @@
+"""The progress displays against a finished run directory (no browser: see the brief)."""
+
+import subprocess
+
+from test_plot import _fake_run
+
+import ddpnb
+from ddpnb.launch import Job
+from ddpnb.progress import TextProgress, WidgetProgress
+
+
+def _job(run_dir, nnodes=4):
+    procs = {n: subprocess.Popen(["true"]) for n in range(nnodes)}
+    for p in procs.values():
+        p.wait()
+    (run_dir / "progress.json").write_text(
+        '{"phase": "done", "epoch": 4, "epochs": 4, "step": 9, "steps": 9, "time": 0}'
+    )
+    return Job(
+        run_dir,
+        ddpnb.TrainConfig(epochs=4),
+        procs,
+        {},
+        nnodes=nnodes,
+        nproc_per_node=1,
+        master_addr="127.0.0.1",
+        master_port=1234,
+        rdzv_timeout=5,
+        max_restarts=0,
+        progress="widgets",
+    )
+
+
+def test_widget_panel_has_a_row_per_node_full_bars_and_a_plot(tmp_path):
+    job = _job(_fake_run(tmp_path / "r", 4))
+    panel = WidgetProgress(job)
+    panel.close(job)
+    assert len(panel.node_rows) == 4
+    assert all(">done<" in row.value for row in panel.node_rows)
+    assert "master" in panel.node_rows[0].value
+    assert panel.epoch_bar.value == panel.epoch_bar.max == 4
+    assert panel.step_bar.value == panel.step_bar.max == 9
+    assert panel.plot.value[:4] == b"\x89PNG" and panel.plot_updates >= 1
+    assert "finished" in panel.status.value
+
+
+def test_text_progress_is_a_line_per_epoch(tmp_path, capsys):
+    job = _job(_fake_run(tmp_path / "r", 2), nnodes=2)
+    text = TextProgress(job)
+    text.update()
+    text.update()
+    text.close(job)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + 4 + 1
+    assert "hosts the rendezvous" in lines[0] and lines[1].startswith("epoch 1/4")
+    assert "finished" in lines[-1]
