@@ -23,8 +23,8 @@ test: setup lint
 	$(PY) -m pytest -q tests
 
 lint: setup
-	$(PY) -m ruff check ddpnb tests bench
-	$(PY) -m ruff format --check ddpnb tests bench
+	$(PY) -m ruff check ddpnb tests notebooks
+	$(PY) -m ruff format --check ddpnb tests notebooks
 
 lab: setup
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --notebook-dir=notebooks --no-browser \

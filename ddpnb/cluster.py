@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import shlex
@@ -92,7 +93,9 @@ def node_commands(
                 f"--nproc_per_node={nproc_per_node}",
                 "--rdzv_backend=c10d",
                 f"--rdzv_endpoint={hosts[0]}:{master_port}",
-                f"--rdzv_id=ddpnb-{run_dir.name}",
+                # Unique per run directory, so two jobs on one endpoint cannot collide.
+                f"--rdzv_id=ddpnb-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}",
+                f"--rdzv_conf=join_timeout={rdzv_timeout}",
                 f"--max_restarts={max_restarts}",
             ]
         lines.append(shlex.join(["torchrun", *opts, *tail]))
@@ -140,7 +143,7 @@ def slurm_script(
 #SBATCH --nodes={nnodes}
 #SBATCH --ntasks-per-node=1
 #SBATCH --time={time_limit}
-#SBATCH --output={shlex.quote(str(run_dir))}/logs/slurm-%j.out
+#SBATCH --output=%x-%j.out
 {gpus}
 # One torchrun agent per node (ntasks-per-node=1); each starts {nproc_per_node} worker(s).
 # The first node of the allocation hosts the c10d rendezvous.

@@ -12,6 +12,7 @@ import ipaddress
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -411,19 +412,22 @@ class Job:
 
     # -- failures ---------------------------------------------------------------------
 
+    def _missing_nodes_hint(self) -> str:
+        missing = [n for n in range(self.nnodes) if n not in self.procs]
+        if not missing:
+            return ""
+        return (
+            f" Nodes {missing} are not started by this launch: run their commands "
+            "(ddpnb.node_commands) on their hosts."
+        )
+
     def _check_stalled(self) -> WorkerFailed | None:
         progress = read_progress(self.run_dir)
         now = time.time()
         if not progress or progress.get("time", 0) < self.started_at:
             limit = self.rdzv_timeout + 30
             if now - self.started_at > limit:
-                missing = [n for n in range(self.nnodes) if n not in self.procs]
-                hint = (
-                    f" Nodes {missing} are not started by this launch: run their commands "
-                    "(ddpnb.node_commands) on their hosts."
-                    if missing
-                    else ""
-                )
+                hint = self._missing_nodes_hint()
                 return RendezvousTimeout(
                     f"The rendezvous at {self.master_addr}:{self.master_port} did not complete "
                     f"within {limit} s: not all {self.nnodes} nodes joined.{hint} Check that every "
@@ -471,13 +475,7 @@ class Job:
         joined = re.search(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+)", tail)
         if joined or "RendezvousTimeoutError" in tail:
             counted = f" ({joined.group(1)} of {joined.group(2)} nodes joined)" if joined else ""
-            missing = [n for n in range(self.nnodes) if n not in self.procs]
-            hint = (
-                f" Nodes {missing} were not started by this launch: run their commands "
-                "(ddpnb.node_commands) on their hosts."
-                if missing
-                else ""
-            )
+            hint = self._missing_nodes_hint()
             return RendezvousTimeout(
                 f"The rendezvous at {self.master_addr}:{self.master_port} timed out after "
                 f"{self.rdzv_timeout} s{counted}: not all {self.nnodes} nodes joined.{hint} "
@@ -641,7 +639,7 @@ def launch(
                 str(run_dir / "config.json"),
             ]
             with open(log_paths[node], "ab") as log_file:
-                log_file.write(f"$ {' '.join(cmd)}\n".encode())
+                log_file.write(f"$ {shlex.join(cmd)}\n".encode())
                 log_file.flush()
                 procs[node] = subprocess.Popen(
                     cmd,
