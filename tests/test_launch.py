@@ -232,3 +232,16 @@ def test_cli_train_two_nodes(tiny_data, tmp_path):
         text=True,
     )
     assert r.returncode == 2 and "--resume" in r.stderr
+
+
+@pytest.mark.slow
+def test_resume_continues_from_the_checkpoint(tiny_data, tmp_path):
+    run = tmp_path / "r"
+    ddpnb.launch(tiny_config(tiny_data, epochs=1), run, nnodes=1, progress="none")
+    first = (run / "metrics.jsonl").read_text().splitlines()
+    job = ddpnb.launch(
+        tiny_config(tiny_data, epochs=2), run, nnodes=1, progress="none", resume=True
+    )
+    assert [e["epoch"] for e in job.metrics.epochs] == [1, 2]  # each epoch exactly once
+    assert (run / "metrics.jsonl").read_text().splitlines()[0] == first[0]  # epoch 1 kept as is
+    assert "resumed from" in job.log_tail(0, 200) and "after epoch 1" in job.log_tail(0, 200)
