@@ -79,19 +79,12 @@ def check_model(config: TrainConfig) -> None:
             f"weights file {config.weights!r} does not exist. Pass the path of a saved state dict "
             "(torch.save(model.state_dict(), path)), weights='DEFAULT', or weights=None."
         )
-    import torch
+    from .worker import read_state_dict
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ConfigError(f"weights file {path} cannot be loaded as a state dict: {e}") from e
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(
-            f"weights file {path} does not hold a state dict (a dict of name -> tensor). Save it "
-            "with torch.save(model.state_dict(), path)."
-        )
+        read_state_dict(str(path))
+    except ValueError as e:
+        raise ConfigError(f"{e} Save it with torch.save(model.state_dict(), path).") from None
 
 
 def _check_default_weights_reachable(model: str) -> None:

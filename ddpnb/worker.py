@@ -136,16 +136,22 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     raise ValueError(f"Cannot find the classification head of {type(model).__name__}.")
 
 
-def load_local_weights(model: nn.Module, path: str) -> list[str]:
-    """Load a state-dict file, skipping head tensors whose shapes no longer fit."""
+def read_state_dict(path: str) -> dict:
+    """A state dict (name -> tensor) from a file, or from a ddpnb checkpoint's model."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"weights={path!r} is not a loadable state-dict file: {e}") from e
+        raise ValueError(f"weights file {path} cannot be loaded as a state dict: {e}") from e
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]  # a ddpnb checkpoint
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"weights={path!r} does not hold a state dict (name -> tensor).")
+        raise ValueError(f"weights file {path} does not hold a state dict (name -> tensor).")
+    return state
+
+
+def load_local_weights(model: nn.Module, path: str) -> list[str]:
+    """Load a state-dict file, skipping head tensors whose shapes no longer fit."""
+    state = read_state_dict(path)
     own = model.state_dict()
     skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
     state = {k: v for k, v in state.items() if k not in skipped}

@@ -183,54 +183,33 @@ def test_interrupt_stops_every_process(tiny_data, tmp_path):
     check_port_free("127.0.0.1", job.master_port)
 
 
+def _cli_train(data, run_dir, *args):
+    argv = [sys.executable, "-m", "ddpnb", "train", "--data", str(data), "--run-dir", str(run_dir)]
+    return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.slow
 def test_cli_train_two_nodes(tiny_data, tmp_path):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ddpnb",
-            "train",
-            "--data",
-            str(tiny_data),
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--epochs",
-            "1",
-            "--batch-size",
-            "8",
-            "--image-size",
-            "16",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    r = _cli_train(
+        tiny_data,
+        tmp_path / "r",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--image-size",
+        "16",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
     )
     assert r.returncode == 0, r.stderr
     assert "epoch 1/1" in r.stdout and "hosts the rendezvous" in r.stdout
     assert ddpnb.load_metrics(tmp_path / "r").final["world_size"] == 2
     logs = (tmp_path / "r" / "logs" / "node-1.log").read_text()
     assert "--node_rank=1" in logs and "[rank1]" in logs
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ddpnb",
-            "train",
-            "--data",
-            str(tiny_data),
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--epochs",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = _cli_train(tiny_data, tmp_path / "r", "--epochs", "1")
     assert r.returncode == 2 and "--resume" in r.stderr
 
 
