@@ -6,7 +6,7 @@ from .data import inspect_dataset, prepare_digits
 from .errors import DdpnbError, WorkerFailed
 from .launch import Job, launch, train_single
 from .metrics import load_metrics
-from .plot import plot_curves, plot_throughput
+from .plot import plot_curves, plot_scaling, plot_throughput
 from .rundir import write_worker
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "load_metrics",
     "node_commands",
     "plot_curves",
+    "plot_scaling",
     "plot_throughput",
     "prepare_digits",
     "slurm_script",

@@ -34,6 +34,13 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
             "progress": "text",
             **small,
         },
+        "05_scaling.ipynb": {
+            "data_dir": str(data_dir),
+            "run_root": str(out / "scaling"),
+            "out_dir": str(out),
+            "progress": "text",
+            **small,
+        },
     }
 
 
@@ -84,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
             f"  DDP (world size {d['world_size']}):   val_acc {d['ddp_val_acc']:.4f}  "
             f"{d['ddp_images_per_second']:.0f} img/s"
         )
+    if "05_summary" in s:
+        for row in s["05_summary"]["layouts"]:
+            print(
+                f"  scaling {row['layout']}:  {row['images/s']} img/s, efficiency "
+                f"{row['efficiency']:.2f}, communication share {row['communication share']:.2f}"
+            )
     print("  plots: " + ", ".join(sorted(p.name for p in out.glob("*.png"))))
     return 0
 

@@ -88,3 +88,53 @@ def plot_throughput(
     ax.set(ylabel="training images/s", title="Throughput per rank and in total")
     ax.legend(fontsize=8)
     return fig
+
+
+def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None = None) -> Figure:
+    """Throughput and scaling efficiency per run, and where each rank's epoch time goes.
+
+    Left: images/s of the last epoch, annotated with the efficiency against the first
+    run (the efficiency is ``images/s / first run's images/s``: the simulated nodes share
+    one host's cores, so the ideal is to lose nothing). Right: each rank's last-epoch
+    seconds split into data wait, compute and communication that backward had to wait for.
+
+    Example
+    -------
+    >>> plot_scaling(["runs/scaling/1x1", "runs/scaling/1x2"]).savefig("scaling.png")  # doctest: +SKIP
+    """
+    runs = _runs(runs)
+    labels = list(labels) if labels is not None else [r.label for r in runs]
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    ax_ips, ax_split = fig.subplots(1, 2, width_ratios=[1, 1.6])
+    base = runs[0].final.get("images_per_second") or 1.0
+    for i, run in enumerate(runs):
+        ips = run.final.get("images_per_second", 0.0)
+        ax_ips.bar(i, ips, color=f"C{i}")
+        ax_ips.text(i, ips, f"{ips:.0f}\n{ips / base:.0%}", ha="center", va="bottom", fontsize=8)
+    ax_ips.set_xticks(range(len(runs)), labels)
+    ax_ips.set(ylabel="training images/s (last epoch)", title="Throughput (efficiency vs first)")
+    ax_ips.margins(y=0.2)
+
+    parts = (("data_wait_seconds", "data wait"), ("compute_seconds", "compute"))
+    parts += (("comm_seconds", "communication (not overlapped)"),)
+    x, ticks, ticklabels = 0.0, [], []
+    for run, label in zip(runs, labels):
+        for r, recs in run.ranks.items():
+            if not recs:
+                continue
+            bottom = 0.0
+            for j, (key, name) in enumerate(parts):
+                value = recs[-1].get(key, 0.0)
+                ax_split.bar(x, value, bottom=bottom, color=f"C{j + 3}", label=name)
+                bottom += value
+            ticks.append(x)
+            ticklabels.append(f"{label}\nr{r}")
+            x += 1
+        x += 0.6
+    handles, names = ax_split.get_legend_handles_labels()
+    unique = dict(zip(names, handles))
+    ax_split.legend(unique.values(), unique.keys(), fontsize=8, loc="upper center", ncol=3)
+    ax_split.margins(y=0.15)
+    ax_split.set_xticks(ticks, ticklabels, fontsize=8)
+    ax_split.set(ylabel="seconds in the last epoch", title="Where each rank's time goes")
+    return fig

@@ -6,6 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import ddpnb
 from ddpnb.demo import NOTEBOOKS, notebook_parameters
 
 ALL = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
@@ -85,3 +86,21 @@ def test_03_multi_node(executed):
     assert (out / "03_ddp_vs_baseline.png").exists()
     text = (out / "03_multi_node_ddp.ipynb").read_text()
     assert "srun torchrun" in text and "--node_rank=1" in text
+
+
+@pytest.mark.slow
+def test_05_scaling(executed):
+    out, failures = executed
+    assert "05_scaling.ipynb" not in failures, failures.get("05_scaling.ipynb")
+    rows = _summary(out, "05")["layouts"]
+    assert [r["layout"] for r in rows] == ["1x1", "1x2", "2x1"]
+    assert [r["world_size"] for r in rows] == [1, 2, 2]
+    assert rows[0]["efficiency"] == 1.0 and all(r["images/s"] > 0 for r in rows)
+    assert rows[0]["communication share"] < 0.05  # one process: an all-reduce with itself
+    assert all(0 < r["communication share"] < 1 for r in rows[1:])
+    for layout in ("1x2", "2x1"):
+        ranks = ddpnb.load_metrics(out / "scaling" / layout).ranks
+        assert sorted(ranks) == [0, 1] and all(
+            recs[-1]["comm_seconds"] > 0 for recs in ranks.values()
+        )
+    assert (out / "05_scaling.png").exists()

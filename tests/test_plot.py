@@ -86,3 +86,26 @@ def test_import_has_no_side_effects():
         "import torch; assert not torch.cuda.is_initialized()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plot_scaling_splits_each_ranks_time(tmp_path):
+    runs = []
+    for name, ws in (("1x1", 1), ("1x2", 2)):
+        run = _fake_run(tmp_path / name, ws)
+        with open(run / "ranks" / "rank-0.jsonl", "a") as f:
+            split = {"data_wait_seconds": 0.1, "compute_seconds": 2.0, "comm_seconds": 0.5}
+            f.write(json.dumps({"epoch": 5, "images_per_second": 50.0, **split}) + "\n")
+        runs.append(run)
+    fig = ddpnb.plot_scaling(runs, labels=["1x1", "1x2"])
+    ips_ax, split_ax = fig.axes
+    assert [round(p.get_height()) for p in ips_ax.patches] == [100, 200]
+    assert any("200%" in t.get_text() for t in ips_ax.texts)  # efficiency vs the first run
+    # three stacked parts for each of the 1 + 2 ranks; rank 0's compute sits on its data wait
+    heights = [round(p.get_height(), 2) for p in split_ax.patches]
+    assert heights[:3] == [0.1, 2.0, 0.5] and len(heights) == 9
+    assert split_ax.patches[1].get_y() == 0.1
+    assert {t.get_text() for t in split_ax.get_legend().get_texts()} == {
+        "data wait",
+        "compute",
+        "communication (not overlapped)",
+    }
