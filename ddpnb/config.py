@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .worker import PITFALL_SWITCHES
 
 Backend = Literal["auto", "gloo", "nccl"]
 Augment = Literal["auto", "digits", "photo", "none"]
@@ -77,6 +78,19 @@ class TrainConfig:
     bucket_cap_mb: int = 25
     comm_hook: CommHook = "none"
     channels_last: bool = False
+    # -- pitfall switches (notebook 06) ----------------------------------------------
+    # Each defaults to the correct behaviour. Turning one off reproduces a classic DDP
+    # mistake on purpose, and the worker and the launcher print a loud warning.
+    #: False: no ``DistributedSampler``; every rank trains on the whole split (the classic example).
+    distributed_sampler: bool = True
+    #: False: ``sampler.set_epoch`` is never called, so every epoch repeats the same order.
+    set_epoch: bool = True
+    #: False: validation through a padded ``DistributedSampler`` (some images count twice).
+    exact_validation: bool = True
+    #: False: reported metrics are the mean of per-rank means instead of reduced sums/counts.
+    reduce_sums: bool = True
+    #: False: every process takes torch's default thread count (simulated nodes oversubscribe).
+    thread_budget: bool = True
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -100,6 +114,20 @@ class TrainConfig:
             raise ConfigError(
                 "model must name a torchvision classification model, e.g. 'resnet18'."
             )
+        if not self.thread_budget and self.threads:
+            raise ConfigError(
+                f"thread_budget=False leaves the thread count to torch, but threads={self.threads} "
+                "fixes it. Set threads=0 to reproduce oversubscription, or thread_budget=True."
+            )
+
+    @property
+    def pitfalls_off(self) -> list[str]:
+        """Names of the pitfall switches turned off (empty for a correct run).
+
+        >>> TrainConfig(set_epoch=False).pitfalls_off
+        ['set_epoch']
+        """
+        return [name for name in PITFALL_SWITCHES if not getattr(self, name)]
 
     # -- serialisation -------------------------------------------------------------
 

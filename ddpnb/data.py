@@ -253,3 +253,64 @@ def _write_manifest(root: Path, summary: DatasetSummary, source, params) -> None
     tmp = root / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, root / MANIFEST)
+
+
+def subset_dataset(
+    source: str | os.PathLike, root: str | os.PathLike, *, train: int | None, val: int | None
+) -> Path:
+    """Copy a class-balanced subset of an ImageFolder dataset to ``root``.
+
+    Images are taken in turn from each class (sorted file order), so every class keeps
+    its share; ``None`` keeps a whole split. The source's ``source`` tag is kept (the
+    digits stay "digits" for augmentation). Calling again with the same arguments does
+    nothing; another subset in ``root`` is replaced. Notebook 06 uses it for a val split
+    that no small world size divides.
+
+    Example
+    -------
+    >>> root = subset_dataset("data/digits", "runs/pitfalls/data", train=400, val=101)  # doctest: +SKIP
+    >>> inspect_dataset(root, show=False).split_size("val")                            # doctest: +SKIP
+    101
+    """
+    source, root = Path(source), Path(root)
+    summary = require_valid_dataset(source)
+    wanted = {"train": train, "val": val}
+    for split, n in wanted.items():
+        have = summary.split_size(split)
+        if n is not None and not len(summary.classes) <= n <= have:
+            raise DatasetError(
+                f"{split}={n} must be between {len(summary.classes)} (one image per class) and "
+                f"the {have} images of {source}."
+            )
+    params = {"subset_of": summary.fingerprint, **wanted}
+    existing = _read_manifest(root)
+    if existing.get("params") == params:
+        return root
+    if root.exists() and any(root.iterdir()) and "subset_of" not in (existing.get("params") or {}):
+        raise DatasetError(
+            f"{root} already holds files that are not a ddpnb subset. Choose another folder."
+        )
+    shutil.rmtree(root, ignore_errors=True)
+    for split, n in wanted.items():
+        per_class = [
+            sorted(p for p in (source / split / c).rglob("*") if p.is_file())
+            for c in summary.classes
+        ]
+        # Round robin over the classes: the first n images keep the class balance.
+        chosen = [
+            (c, files[i])
+            for i in range(max(map(len, per_class)))
+            for c, files in zip(summary.classes, per_class)
+            if i < len(files)
+        ][:n]
+        for c, path in chosen:
+            target = root / split / c / path.relative_to(source / split / c)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+    _write_manifest(
+        root,
+        inspect_dataset(root, show=False, write_manifest=False),
+        source=summary.source,
+        params=params,
+    )
+    return root

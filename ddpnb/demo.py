@@ -41,6 +41,14 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
             "progress": "text",
             **small,
         },
+        "06_pitfalls.ipynb": {
+            "data_dir": str(data_dir),
+            "run_root": str(out / "pitfalls"),
+            "out_dir": str(out),
+            "progress": "text",
+            # Whole epochs even when quick: the lessons compare epoch times and orders.
+            **({"train_images": 200, "val_images": 41} if quick else {}),
+        },
     }
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig
+from .config import PITFALL_SWITCHES, TrainConfig
 from .data import require_valid_dataset
 from .errors import ConfigError, LaunchError, PortInUseError, RendezvousTimeout, WorkerFailed
 from .log import logger
@@ -600,7 +600,10 @@ def launch(
             "DDPNB_LAUNCHED": "1",
         }
     )
+    if not config.thread_budget:  # pitfall: torch's default, one thread per core per process
+        del child_env["OMP_NUM_THREADS"]
     child_env.update(env or {})
+    warn_pitfalls(config)
     procs: dict[int, subprocess.Popen] = {}
     log_paths: dict[int, Path] = {}
     logger.info(
@@ -661,6 +664,18 @@ def launch(
         progress=progress,
     )
     return job.wait() if wait else job
+
+
+def warn_pitfalls(config: TrainConfig) -> None:
+    """Log a loud warning for each pitfall switch turned off (see notebook 06)."""
+    for name in config.pitfalls_off:
+        logger.warning(
+            "PITFALL SWITCH OFF: %s=False (%s). This run reproduces the mistake on purpose; "
+            "leave %s=True for correct training.",
+            name,
+            PITFALL_SWITCHES[name],
+            name,
+        )
 
 
 def train_single(

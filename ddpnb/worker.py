@@ -34,6 +34,7 @@ global rank 1 at that step of the first attempt; ``mode=raise`` raises instead).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import hashlib
 import json
@@ -61,6 +62,15 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 MEMORY_PIPELINE_BYTES = 2 << 30  # decode into RAM when the uint8 tensors fit in this
 PROGRESS_INTERVAL = 0.25  # seconds between progress.json writes
+# The pitfall switches (config field -> what goes wrong when it is False): each reproduces
+# a classic DDP mistake on purpose, for notebook 06. All are True in a correct run.
+PITFALL_SWITCHES = {
+    "distributed_sampler": "no DistributedSampler: every rank trains on the whole split",
+    "set_epoch": "sampler.set_epoch is never called: every epoch repeats the same order",
+    "exact_validation": "validation over padded DistributedSampler shards: some images count twice",
+    "reduce_sums": "metrics are the mean of per-rank means, not reduced sums and counts",
+    "thread_budget": "each process takes torch's default thread count: cores oversubscribed",
+}
 
 
 # -----------------------------------------------------------------------------
@@ -111,6 +121,21 @@ def threads_for_host(procs_on_host: int) -> int:
     # Each process gets its share of the host's cores: N simulated nodes x P processes
     # with default threads each would oversubscribe the cores (8x slower measured).
     return max(1, (os.cpu_count() or 1) // max(1, procs_on_host))
+
+
+def index_order_hash(indices) -> str:
+    """16 hex digits of sha256 over an index order: equal orders, equal hashes."""
+    return hashlib.sha256(",".join(map(str, indices)).encode()).hexdigest()[:16]
+
+
+def parameter_checksum(model: nn.Module) -> str:
+    """16 hex digits of sha256 over the parameters' exact bytes (identical copies match)."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        x = p.detach().cpu().contiguous()
+        # A plain memory copy: bytes(storage) would walk the elements one by one.
+        digest.update(ctypes.string_at(x.data_ptr(), x.numel() * x.element_size()))
+    return digest.hexdigest()[:16]
 
 
 def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
@@ -369,8 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         device = torch.device("cpu")
         procs_on_host = int(os.environ.get("DDPNB_PROCS_ON_HOST", local_world_size))
-        threads = cfg["threads"] or threads_for_host(procs_on_host)
-        torch.set_num_threads(threads)
+        if cfg["threads"] or cfg.get("thread_budget", True):
+            torch.set_num_threads(cfg["threads"] or threads_for_host(procs_on_host))
     backend = cfg["backend"] if cfg["backend"] != "auto" else ("nccl" if use_cuda else "gloo")
     if distributed:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg["timeout_seconds"]))
@@ -379,6 +404,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{socket.gethostname()}, {device}, backend {backend if distributed else 'none'}, "
         f"threads {torch.get_num_threads()}, attempt {restart_count}"
     )
+    if local_rank == 0:  # once in every node's log
+        for name, harm in PITFALL_SWITCHES.items():
+            if not cfg.get(name, True):
+                log(f"WARNING: pitfall switch {name} is OFF ({harm}); wrong on purpose.")
 
     # -- every node must hold the same dataset --------------------------------------
     fingerprint = dataset_fingerprint(data_dir)
@@ -417,12 +446,22 @@ def main(argv: list[str] | None = None) -> None:
     if pipeline == "auto":
         need = (len(train_set) + len(val_set)) * 3 * size * size
         pipeline = "memory" if need <= MEMORY_PIPELINE_BYTES else "loader"
+    # Pitfall distributed_sampler=False: one shard holding the whole split, on every rank.
+    sharded = cfg.get("distributed_sampler", True)
     train_sampler = DistributedSampler(
-        train_set, num_replicas=world_size, rank=global_rank, shuffle=True, seed=cfg["seed"]
+        train_set,
+        num_replicas=world_size if sharded else 1,
+        rank=global_rank if sharded else 0,
+        shuffle=True,
+        seed=cfg["seed"],
     )
     # Validation shards without padding: rank r takes every world_size-th image, so each
     # image is counted exactly once and the result does not depend on world size.
     val_indices = list(range(global_rank, len(val_set), world_size))
+    if not cfg.get("exact_validation", True):  # pitfall: shards padded with repeated images
+        val_indices = list(
+            DistributedSampler(val_set, num_replicas=world_size, rank=global_rank, shuffle=False)
+        )
     batch_size = cfg["batch_size"]
     mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
@@ -535,7 +574,9 @@ def main(argv: list[str] | None = None) -> None:
     last_progress = 0.0
     first_step_time = None  # launch latency is measured up to here
     for epoch in range(start_epoch, cfg["epochs"] + 1):
-        train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        if cfg.get("set_epoch", True):  # pitfall set_epoch=False: epoch 0's order forever
+            train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        order_hash = index_order_hash(train_sampler)
         # Augmentation randomness depends only on (seed, rank, epoch): a resumed epoch
         # sees exactly what the uninterrupted one saw.
         gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + global_rank * 1009 + epoch)
@@ -602,6 +643,7 @@ def main(argv: list[str] | None = None) -> None:
         if use_cuda:
             torch.cuda.synchronize()
         train_seconds = time.perf_counter() - epoch_start
+        param_checksum = parameter_checksum(raw_model)
 
         # Validation on the unwrapped model: no DDP collectives inside, so ranks whose
         # shards differ by one batch cannot hang each other.
@@ -620,10 +662,14 @@ def main(argv: list[str] | None = None) -> None:
                 )
         local_train_samples = int(sums[2].item())
         local_val_samples = int(val_sums[2].item())
-        totals = torch.cat([sums, val_sums])
+        # This rank's own means (loss, acc for train then val) ride along in the same
+        # all_reduce: their average is the mean of means that reduce_sums=False reports.
+        local_means = torch.cat([s[:2] / s[2].clamp(min=1) for s in (sums, val_sums)])
+        totals = torch.cat([sums, val_sums, local_means])
         if distributed:
             dist.all_reduce(totals)  # sums and counts, never means of means
-        train_loss, train_correct, train_n, val_loss, val_correct, val_n = totals.tolist()
+        train_loss, train_correct, train_n, val_loss, val_correct, val_n = totals[:6].tolist()
+        mean_of_means = (totals[6:] / world_size).tolist()
         epoch_seconds = time.perf_counter() - epoch_start
 
         append_jsonl(
@@ -640,6 +686,12 @@ def main(argv: list[str] | None = None) -> None:
                 "compute_seconds": compute - comm_wait,
                 "comm_seconds": comm_wait,
                 "restart_count": restart_count,
+                "train_seconds": train_seconds,
+                "threads": torch.get_num_threads(),
+                "val_loss": local_means[2].item(),
+                "val_acc": local_means[3].item(),
+                "order_hash": order_hash,
+                "param_checksum": param_checksum,
             },
         )
         if master_process:
@@ -657,7 +709,11 @@ def main(argv: list[str] | None = None) -> None:
                 "restart_count": restart_count,
                 "decode_seconds": decode_seconds,
                 "lr": scheduler.get_last_lr()[0],
+                "val_loss_exact": val_loss / max(val_n, 1),
+                "val_acc_exact": val_correct / max(val_n, 1),
             }
+            if not cfg.get("reduce_sums", True):  # pitfall: report the mean of per-rank means
+                row.update(zip(["train_loss", "train_acc", "val_loss", "val_acc"], mean_of_means))
             append_jsonl(metrics_path, row)
             log(
                 f"epoch {epoch}/{cfg['epochs']} train_loss {row['train_loss']:.4f} "

@@ -104,3 +104,28 @@ def test_05_scaling(executed):
             recs[-1]["comm_seconds"] > 0 for recs in ranks.values()
         )
     assert (out / "05_scaling.png").exists()
+
+
+@pytest.mark.slow
+def test_06_pitfalls(executed):
+    out, failures = executed
+    assert "06_pitfalls.ipynb" not in failures, failures.get("06_pitfalls.ipynb")
+    s = _summary(out, "06")
+    assert s["world_size"] == 2 and s["val_images"] % 2 == 1
+    assert s["no_sampler_train_samples_per_rank"] == s["train_images"]
+    assert s["no_sampler_slowdown"] > 1.3
+    first, second = s["no_set_epoch_order_hashes"]
+    assert first == second
+    assert s["padded_val_samples"] == s["val_images"] + 1
+    assert s["mean_of_means_val_loss"] != s["exact_val_loss"]
+    assert s["oversubscribed_threads"] >= 1 and s["oversubscription_slowdown"] > 0
+    rows = [
+        json.loads(x)
+        for x in (out / "pitfalls" / "correct" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["val_samples"] for r in rows] == [s["val_images"]] * 2
+    for png in ("06_no_sampler.png", "06_oversubscription.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    text = (out / "06_pitfalls.ipynb").read_text()
+    assert "U+FF08" in text and "name 'device' is not defined" in text
+    assert "PortInUseError" in text and "PITFALL SWITCH OFF" in text
