@@ -23,6 +23,13 @@ STATUS_COLORS = {
     "external": "#888888",
 }
 
+# A PNG cannot follow JupyterLab's theme: in a dark theme invert it (keeping the hues), so
+# the plot shows light lines on dark grey like the rest of the panel, not a white block.
+DARK_THEME_CSS = (
+    "<style>body[data-jp-theme-light='false'] .ddpnb-plot"
+    " { filter: invert(0.87) hue-rotate(180deg); }</style>"
+)
+
 
 def _live_frontend() -> bool:
     """True inside a kernel that a Jupyter frontend (not papermill/nbconvert) drives."""
@@ -135,6 +142,15 @@ class WidgetProgress:
         )
         self.status = w.HTML()
         self.plot = w.Image(format="png", layout=w.Layout(max_width="720px"))
+        # CSS classes name the parts for a reader of the page (and the browser test).
+        for widget, name in [
+            *((row, "ddpnb-node") for row in self.node_rows),
+            (self.epoch_bar, "ddpnb-epoch-bar"),
+            (self.step_bar, "ddpnb-step-bar"),
+            (self.status, "ddpnb-status"),
+            (self.plot, "ddpnb-plot"),
+        ]:
+            widget.add_class(name)
         nodes = w.VBox(
             self.node_rows,
             layout=w.Layout(
@@ -145,7 +161,15 @@ class WidgetProgress:
             ),
         )
         self.panel = w.VBox(
-            [self.title, nodes, self.epoch_bar, self.step_bar, self.status, self.plot]
+            [
+                w.HTML(DARK_THEME_CSS),
+                self.title,
+                nodes,
+                self.epoch_bar,
+                self.step_bar,
+                self.status,
+                self.plot,
+            ]
         )
         self.panel.add_class("ddpnb-progress")
         display(self.panel)
@@ -157,7 +181,7 @@ class WidgetProgress:
             ranks = range(n * self.job.nproc_per_node, (n + 1) * self.job.nproc_per_node)
             role = " (master, hosts the rendezvous)" if n == 0 else ""
             html = (
-                f"<span style='display:inline-block;min-width:5.5em'>node {n}</span>"
+                f"<span style='display:inline-block;min-width:5.5em'>node {n}</span> "
                 f"<span style='background:{color};color:white;border-radius:3px;padding:0 6px;"
                 f"display:inline-block;min-width:5em;text-align:center'>{state}</span> "
                 f"<span style='opacity:0.8'>ranks {ranks.start}-{ranks.stop - 1}{role}</span>"
@@ -190,11 +214,13 @@ class WidgetProgress:
         fig = Figure(figsize=(7.2, 2.6), layout="constrained")
         ax_loss, ax_acc = fig.subplots(1, 2)
         ep = [r["epoch"] for r in rows]
-        ax_loss.plot(ep, [r["train_loss"] for r in rows], "--", label="train")
+        # Markers on both: after the first epoch a line alone would show nothing.
+        ax_loss.plot(ep, [r["train_loss"] for r in rows], "--o", ms=3, label="train")
         ax_loss.plot(ep, [r["val_loss"] for r in rows], "-o", ms=3, label="val")
-        ax_acc.plot(ep, [r["train_acc"] for r in rows], "--", label="train")
+        ax_acc.plot(ep, [r["train_acc"] for r in rows], "--o", ms=3, label="train")
         ax_acc.plot(ep, [r["val_acc"] for r in rows], "-o", ms=3, label="val")
-        ax_loss.set(title="loss", xlabel="epoch")
+        # Log scale, as in plot_curves: an early loss of 1000 would flatten the rest.
+        ax_loss.set(title="loss (log)", xlabel="epoch", yscale="log")
         ax_acc.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
         for ax in (ax_loss, ax_acc):
             ax.set_xlim(0.5, max(self.job.config.epochs, 1) + 0.5)
