@@ -31,6 +31,37 @@ DARK_THEME_CSS = (
 )
 
 
+def _program(argv: list[str]) -> str:
+    """The program a command line runs: its ``-m`` module or script, else the executable."""
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-m":
+            return next(args, "")
+        if arg in ("-X", "-W"):  # options that take a value
+            next(args, None)
+        elif not arg.startswith("-"):
+            return os.path.basename(arg)
+    return os.path.basename(argv[0]) if argv else ""
+
+
+def is_jupyter_server(argv: list[str]) -> bool:
+    """True for the command line of a Jupyter server (lab, notebook, hub), not of a runner.
+
+    Only the program's name counts: a path such as /home/jupyter/... in a papermill or
+    pytest command line says nothing about who displays the kernel's output.
+
+    >>> is_jupyter_server(["/venv/bin/python", "/venv/bin/jupyter-lab", "--ip=127.0.0.1"])
+    True
+    >>> is_jupyter_server(["python", "-m", "papermill", "/home/jupyter/nb.ipynb", "out.ipynb"])
+    False
+    """
+    names = {os.path.basename(argv[0]) if argv else "", _program(argv)}
+    runners = ("nbconvert", "papermill", "nbclient", "execute")
+    return any(n.startswith("jupyter") or n == "notebook" for n in names) and not any(
+        r in n for n in names for r in runners
+    )
+
+
 def _live_frontend() -> bool:
     """True inside a kernel that a Jupyter frontend (not papermill/nbconvert) drives."""
     shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
@@ -38,12 +69,10 @@ def _live_frontend() -> bool:
         return False
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            parent = f.read().replace(b"\0", b" ").decode(errors="replace")
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
         return True  # not Linux: trust the kernel type
-    return "jupyter" in parent and not any(
-        w in parent for w in ("nbconvert", "papermill", "nbclient")
-    )
+    return is_jupyter_server(argv)
 
 
 def make_progress(mode: str, job: Job):
@@ -87,6 +116,8 @@ def _start_line(job: Job) -> str:
 
 def _finish_line(job: Job) -> str:
     seconds = (job.ended_at or time.time()) - job.started_at
+    if isinstance(job.error, KeyboardInterrupt):  # the user's choice, not a failure
+        return f"ddpnb: run interrupted after {seconds:.1f} s; every process of it was stopped"
     if job.error is not None:
         return f"ddpnb: run FAILED after {seconds:.1f} s ({type(job.error).__name__})"
     final = job.metrics.final
@@ -234,8 +265,9 @@ class WidgetProgress:
         self.last_plot = 0.0
         self.update()
         done = job.error is None
+        stopped = isinstance(job.error, KeyboardInterrupt)
         for bar in (self.epoch_bar, self.step_bar):
-            bar.bar_style = "success" if done else "danger"
+            bar.bar_style = "success" if done else "warning" if stopped else "danger"
         if done:
             self.epoch_bar.value = self.epoch_bar.max
             self.step_bar.value = self.step_bar.max
