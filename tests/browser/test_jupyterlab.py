@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 from labdriver import REPO, alive, artifacts_dir, training_pids, with_parameters
@@ -85,6 +86,18 @@ def _finished(page) -> bool:
     return bool(prompts) and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts)
 
 
+def _save(page, path: Path) -> dict:
+    """Save the notebook from the UI (Ctrl+S) and return the file's JSON."""
+    before = path.stat().st_mtime_ns
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 15
+    while path.stat().st_mtime_ns == before:
+        assert time.monotonic() < deadline, "Ctrl+S did not save the notebook"
+        time.sleep(0.2)
+    time.sleep(0.5)  # the server writes the file in one go, but let it finish
+    return json.loads(path.read_text())
+
+
 def _shot(page, name: str) -> None:
     panel = page.locator(f"{VISIBLE} .ddpnb-progress")
     if panel.count():
@@ -111,7 +124,7 @@ CONTRAST_JS = """el => {
 
 
 def test_run_all_shows_live_panel_plot_and_final_curves(lab, page):
-    with_parameters(REPO / "notebooks" / NB, lab.root / NB, run_dir="runs/ddp", epochs=4, **SMALL)
+    with_parameters(REPO / "notebooks" / NB, lab.root / NB, run_dir="runs/ddp", epochs=6, **SMALL)
     _open(page, lab, NB)
     _menu(page, "Run", "Run All Cells")
 
@@ -147,9 +160,7 @@ def test_run_all_shows_live_panel_plot_and_final_curves(lab, page):
     assert curves.count() == 1 and curves.evaluate("img => img.naturalWidth") > 300
     curves.scroll_into_view_if_needed()
     page.screenshot(path=artifacts_dir() / "03-curves.png")
-    page.keyboard.press("Control+s")
-    time.sleep(1.0)
-    saved = json.loads((lab.root / NB).read_text())
+    saved = _save(page, lab.root / NB)
     outputs = [o for c in saved["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
     assert not [o for o in outputs if o["output_type"] == "error"]
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
