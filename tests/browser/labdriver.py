@@ -29,6 +29,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
     "--no-first-run",
+    "--disable-dev-shm-usage",  # containers' small /dev/shm crashes tabs otherwise
 ]
 INSTALL_HINT = (
     "The browser tests need Debian's chromium at /usr/bin/chromium "

@@ -150,6 +150,7 @@ def test_run_all_shows_live_panel_plot_and_final_curves(lab, page):
     assert "finished" in final["status"]
     while_running = {s["plot"] for s in samples if s["plot"] and _states(s) == {"running"}}
     assert len(while_running) >= 2, f"the live plot changed {len(while_running)} time(s)"
+    print(f"live plot redrawn {len(while_running)} times while the nodes were running")
     assert running_shot
 
     # The DDP curves cell shows its figure, and no cell shows an error.
