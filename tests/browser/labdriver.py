@@ -114,6 +114,10 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+# Loopback requests must not go through an http_proxy from the environment (CI runners).
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -164,8 +168,13 @@ class Lab:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self._wait_ready(timeout=60)
         self.pids_seen: set[int] = {self.proc.pid}
+        try:
+            self._wait_ready(timeout=60)
+        except BaseException:  # no fixture teardown runs for a server that never started
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -179,15 +188,13 @@ class Lab:
                 time.sleep(0.3)
         raise RuntimeError(f"JupyterLab not ready in {timeout} s:\n{self.log_path.read_text()}")
 
-    def api(self, path: str, method: str = "GET") -> dict:
+    def api(self, path: str) -> dict | list:
+        """GET the server's REST API, e.g. ``api("sessions")``."""
         req = urllib.request.Request(
-            f"{self.url}/api/{path}",
-            method=method,
-            headers={"Authorization": f"token {self.token}"},
+            f"{self.url}/api/{path}", headers={"Authorization": f"token {self.token}"}
         )
-        with urllib.request.urlopen(req, timeout=10) as r:
-            body = r.read()
-        return json.loads(body) if body else {}
+        with _NO_PROXY.open(req, timeout=10) as r:
+            return json.loads(r.read())
 
     def remember_pids(self) -> None:
         """Note the server's processes (kernels and what they started) to check later."""

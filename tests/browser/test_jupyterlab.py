@@ -151,9 +151,13 @@ def lab_root(tmp_path_factory, tiny_data) -> Path:
 def lab(lab_root, tmp_path_factory):
     """JupyterLab on ``lab_root``; always shut down, leftovers killed by PID."""
     server = Lab(lab_root, tmp_path_factory.mktemp("lab-home"))
-    yield server
-    server.shutdown()
-    server.kill_leftovers()
+    try:
+        yield server
+    finally:
+        try:
+            server.shutdown()
+        finally:
+            server.kill_leftovers()
 
 
 @pytest.fixture(scope="module")
