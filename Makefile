@@ -26,9 +26,11 @@ lint: setup
 	$(PY) -m ruff check ddpnb tests notebooks
 	$(PY) -m ruff format --check ddpnb tests notebooks
 
+# Loopback only; the URL with its token is printed. As root (containers) JupyterLab
+# refuses to start without --allow-root.
 lab: setup
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --notebook-dir=notebooks --no-browser \
-		--ServerApp.open_browser=False
+		$(if $(filter 0,$(shell id -u)),--allow-root)
 
 bench: setup
 	$(PY) bench/run.py

@@ -23,6 +23,44 @@ STATUS_COLORS = {
     "external": "#888888",
 }
 
+# A PNG cannot follow JupyterLab's theme: in a dark theme invert it (keeping the hues), so
+# the plot shows light lines on dark grey like the rest of the panel, not a white block.
+DARK_THEME_CSS = (
+    "<style>body[data-jp-theme-light='false'] .ddpnb-plot"
+    " { filter: invert(0.87) hue-rotate(180deg); }</style>"
+)
+
+
+def _program(argv: list[str]) -> str:
+    """The program a command line runs: its ``-m`` module or script, else the executable."""
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-m":
+            return next(args, "")
+        if arg in ("-X", "-W"):  # options that take a value
+            next(args, None)
+        elif not arg.startswith("-"):
+            return os.path.basename(arg)
+    return os.path.basename(argv[0]) if argv else ""
+
+
+def is_jupyter_server(argv: list[str]) -> bool:
+    """True for the command line of a Jupyter server (lab, notebook, hub), not of a runner.
+
+    Only the program's name counts: a path such as /home/jupyter/... in a papermill or
+    pytest command line says nothing about who displays the kernel's output.
+
+    >>> is_jupyter_server(["/venv/bin/python", "/venv/bin/jupyter-lab", "--ip=127.0.0.1"])
+    True
+    >>> is_jupyter_server(["python", "-m", "papermill", "/home/jupyter/nb.ipynb", "out.ipynb"])
+    False
+    """
+    names = {os.path.basename(argv[0]) if argv else "", _program(argv)}
+    runners = ("nbconvert", "papermill", "nbclient", "execute")
+    return any(n.startswith("jupyter") or n == "notebook" for n in names) and not any(
+        r in n for n in names for r in runners
+    )
+
 
 def _live_frontend() -> bool:
     """True inside a kernel that a Jupyter frontend (not papermill/nbconvert) drives."""
@@ -31,12 +69,10 @@ def _live_frontend() -> bool:
         return False
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            parent = f.read().replace(b"\0", b" ").decode(errors="replace")
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
         return True  # not Linux: trust the kernel type
-    return "jupyter" in parent and not any(
-        w in parent for w in ("nbconvert", "papermill", "nbclient")
-    )
+    return is_jupyter_server(argv)
 
 
 def make_progress(mode: str, job: Job):
@@ -80,6 +116,8 @@ def _start_line(job: Job) -> str:
 
 def _finish_line(job: Job) -> str:
     seconds = (job.ended_at or time.time()) - job.started_at
+    if isinstance(job.error, KeyboardInterrupt):  # the user's choice, not a failure
+        return f"ddpnb: run interrupted after {seconds:.1f} s; every process of it was stopped"
     if job.error is not None:
         return f"ddpnb: run FAILED after {seconds:.1f} s ({type(job.error).__name__})"
     final = job.metrics.final
@@ -135,6 +173,15 @@ class WidgetProgress:
         )
         self.status = w.HTML()
         self.plot = w.Image(format="png", layout=w.Layout(max_width="720px"))
+        # CSS classes name the parts for a reader of the page (and the browser test).
+        for widget, name in [
+            *((row, "ddpnb-node") for row in self.node_rows),
+            (self.epoch_bar, "ddpnb-epoch-bar"),
+            (self.step_bar, "ddpnb-step-bar"),
+            (self.status, "ddpnb-status"),
+            (self.plot, "ddpnb-plot"),
+        ]:
+            widget.add_class(name)
         nodes = w.VBox(
             self.node_rows,
             layout=w.Layout(
@@ -145,7 +192,15 @@ class WidgetProgress:
             ),
         )
         self.panel = w.VBox(
-            [self.title, nodes, self.epoch_bar, self.step_bar, self.status, self.plot]
+            [
+                w.HTML(DARK_THEME_CSS),
+                self.title,
+                nodes,
+                self.epoch_bar,
+                self.step_bar,
+                self.status,
+                self.plot,
+            ]
         )
         self.panel.add_class("ddpnb-progress")
         display(self.panel)
@@ -157,7 +212,7 @@ class WidgetProgress:
             ranks = range(n * self.job.nproc_per_node, (n + 1) * self.job.nproc_per_node)
             role = " (master, hosts the rendezvous)" if n == 0 else ""
             html = (
-                f"<span style='display:inline-block;min-width:5.5em'>node {n}</span>"
+                f"<span style='display:inline-block;min-width:5.5em'>node {n}</span> "
                 f"<span style='background:{color};color:white;border-radius:3px;padding:0 6px;"
                 f"display:inline-block;min-width:5em;text-align:center'>{state}</span> "
                 f"<span style='opacity:0.8'>ranks {ranks.start}-{ranks.stop - 1}{role}</span>"
@@ -190,11 +245,13 @@ class WidgetProgress:
         fig = Figure(figsize=(7.2, 2.6), layout="constrained")
         ax_loss, ax_acc = fig.subplots(1, 2)
         ep = [r["epoch"] for r in rows]
-        ax_loss.plot(ep, [r["train_loss"] for r in rows], "--", label="train")
+        # Markers on both: after the first epoch a line alone would show nothing.
+        ax_loss.plot(ep, [r["train_loss"] for r in rows], "--o", ms=3, label="train")
         ax_loss.plot(ep, [r["val_loss"] for r in rows], "-o", ms=3, label="val")
-        ax_acc.plot(ep, [r["train_acc"] for r in rows], "--", label="train")
+        ax_acc.plot(ep, [r["train_acc"] for r in rows], "--o", ms=3, label="train")
         ax_acc.plot(ep, [r["val_acc"] for r in rows], "-o", ms=3, label="val")
-        ax_loss.set(title="loss", xlabel="epoch")
+        # Log scale, as in plot_curves: an early loss of 1000 would flatten the rest.
+        ax_loss.set(title="loss (log)", xlabel="epoch", yscale="log")
         ax_acc.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
         for ax in (ax_loss, ax_acc):
             ax.set_xlim(0.5, max(self.job.config.epochs, 1) + 0.5)
@@ -208,8 +265,9 @@ class WidgetProgress:
         self.last_plot = 0.0
         self.update()
         done = job.error is None
+        stopped = isinstance(job.error, KeyboardInterrupt)
         for bar in (self.epoch_bar, self.step_bar):
-            bar.bar_style = "success" if done else "danger"
+            bar.bar_style = "success" if done else "warning" if stopped else "danger"
         if done:
             self.epoch_bar.value = self.epoch_bar.max
             self.step_bar.value = self.step_bar.max

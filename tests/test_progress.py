@@ -2,11 +2,12 @@
 
 import subprocess
 
+import pytest
 from test_plot import _fake_run
 
 import ddpnb
 from ddpnb.launch import Job
-from ddpnb.progress import TextProgress, WidgetProgress
+from ddpnb.progress import TextProgress, WidgetProgress, is_jupyter_server
 
 
 def _job(run_dir, nnodes=4):
@@ -54,3 +55,22 @@ def test_text_progress_is_a_line_per_epoch(tmp_path, capsys):
     assert len(lines) == 1 + 4 + 1
     assert "hosts the rendezvous" in lines[0] and lines[1].startswith("epoch 1/4")
     assert "finished" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "cmdline, server",
+    [
+        ("/venv/bin/python -m jupyter lab --ip=127.0.0.1", True),
+        ("/venv/bin/python /venv/bin/jupyter-lab --no-browser", True),
+        ("/venv/bin/python -X frozen_modules=off -m jupyterlab", True),
+        ("/opt/conda/bin/python /opt/conda/bin/jupyterhub-singleuser", True),
+        ("python -m notebook", True),
+        ("/venv/bin/python /venv/bin/jupyter-nbconvert --execute nb.ipynb", False),
+        ("/venv/bin/python /venv/bin/jupyter-execute nb.ipynb", False),
+        ("/venv/bin/python /venv/bin/papermill nb.ipynb out.ipynb", False),
+        ("python -m pytest -q /home/jupyter/ddpnb/tests", False),
+        ("/home/jupyter/venv/bin/python -m ddpnb.demo", False),
+    ],
+)
+def test_widgets_only_under_a_jupyter_server(cmdline, server):
+    assert is_jupyter_server(cmdline.split()) is server

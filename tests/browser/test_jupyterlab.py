@@ -1,0 +1,287 @@
+"""What a workshop participant sees: notebook 03 run from JupyterLab's UI in Chromium.
+
+The notebooks in the lab root are the real ones; only their ``parameters`` cell is changed
+(tiny data, 16 px images). ``progress="auto"`` so the widget panel is chosen by detection.
+Screenshots go to runs/browser-artifacts/ (or $DDPNB_BROWSER_ARTIFACTS).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from labdriver import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    INSTALL_HINT,
+    REPO,
+    Lab,
+    alive,
+    artifacts_dir,
+    training_pids,
+    with_parameters,
+)
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+NB = "03_multi_node_ddp.ipynb"
+NB_4 = "03_multi_node_ddp_4nodes.ipynb"
+SMALL = dict(
+    data_dir="data/tiny",
+    baseline_dir="runs/baseline",  # absent: the notebook plots DDP alone
+    out_dir="runs/out",
+    image_size=16,
+    batch_size=8,
+    progress="auto",
+)
+VISIBLE = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook tab in front
+INTERRUPT_LIMIT = 10.0  # seconds from the stop button until no training process is left
+
+# The panel as the page shows it: node rows, bar fill, plot source, status line.
+PANEL_JS = """scope => {
+  const panel = document.querySelector(scope + ' .ddpnb-progress');
+  if (!panel) return null;
+  const fill = sel => {
+    const bar = panel.querySelector(sel + ' .progress-bar');
+    return bar ? bar.style.width : null;
+  };
+  const img = panel.querySelector('img.ddpnb-plot');
+  return {
+    rows: [...panel.querySelectorAll('.ddpnb-node')].map(e => e.innerText.trim()),
+    epoch: fill('.ddpnb-epoch-bar'),
+    step: fill('.ddpnb-step-bar'),
+    plot: img && img.naturalWidth > 0 ? img.src : null,
+    status: panel.querySelector('.ddpnb-status').innerText,
+  };
+}"""
+
+# Execution prompts of the visible notebook's code cells: "[3]:", "[*]:" or "[ ]:".
+PROMPTS_JS = f"""() => [...document.querySelectorAll('{VISIBLE} .jp-CodeCell .jp-InputArea-prompt')]
+  .map(e => e.innerText.trim())"""
+
+
+def _menu(page, top: str, *path: str) -> None:
+    page.locator(".lm-MenuBar-item", has_text=re.compile(f"^{top}$")).click()
+    for label in path:
+        item = page.locator(
+            ".lm-Menu:visible .lm-Menu-item",
+            has=page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{label}$")),
+        )
+        item.click() if label == path[-1] else item.hover()
+
+
+def _open(page, lab, name: str) -> None:
+    """Open a notebook in the lab and wait for its kernel to be idle."""
+    page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}")
+    page.locator(f"{VISIBLE} .jp-Notebook").wait_for()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = [s["kernel"]["execution_state"] for s in lab.api("sessions") if s["path"] == name]
+        if states == ["idle"]:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"the kernel of {name} did not become idle: {lab.api('sessions')}")
+
+
+def _states(panel: dict) -> set[str]:
+    """The node states a panel shows, e.g. {"running"}; rows read 'node 0 running ranks ...'."""
+    return {row.split()[2] for row in panel["rows"]}
+
+
+def _finished(page) -> bool:
+    prompts = page.evaluate(PROMPTS_JS)
+    return bool(prompts) and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts)
+
+
+def _save(page, path: Path) -> dict:
+    """Save the notebook from the UI (Ctrl+S) and return the file's JSON."""
+    before = path.stat().st_mtime_ns
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 15
+    while path.stat().st_mtime_ns == before:
+        assert time.monotonic() < deadline, "Ctrl+S did not save the notebook"
+        time.sleep(0.2)
+    time.sleep(0.5)  # the server writes the file in one go, but let it finish
+    return json.loads(path.read_text())
+
+
+def _shot(page, name: str) -> None:
+    panel = page.locator(f"{VISIBLE} .ddpnb-progress")
+    if panel.count():
+        panel.scroll_into_view_if_needed()
+    page.screenshot(path=artifacts_dir() / name)
+
+
+# WCAG contrast ratio of an element's text against the first opaque background behind it.
+CONTRAST_JS = """el => {
+  const lum = c => {
+    const [r, g, b] = c.match(/[\\d.]+/g).slice(0, 3).map(Number).map(v => {
+      v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  let bg = el, color;
+  while (bg) {
+    color = getComputedStyle(bg).backgroundColor;
+    if (!/rgba\\(.*, 0\\)$/.test(color) && color !== 'transparent') break;
+    bg = bg.parentElement;
+  }
+  const [a, b] = [lum(getComputedStyle(el).color), lum(color)].sort((x, y) => y - x);
+  return (a + 0.05) / (b + 0.05);
+}"""
+
+
+# -- fixtures (here, not in a conftest.py: a second conftest module would shadow the
+# `from conftest import ...` of the other test files) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def lab_root(tmp_path_factory, tiny_data) -> Path:
+    """A lab root holding a copy of the notebooks and the tiny dataset."""
+    root = tmp_path_factory.mktemp("lab") / "workshop"
+    shutil.copytree(REPO / "notebooks", root)
+    shutil.copytree(tiny_data, root / "data" / "tiny")
+    return root
+
+
+@pytest.fixture(scope="module")
+def lab(lab_root, tmp_path_factory):
+    """JupyterLab on ``lab_root``; always shut down, leftovers killed by PID."""
+    server = Lab(lab_root, tmp_path_factory.mktemp("lab-home"))
+    try:
+        yield server
+    finally:
+        try:
+            server.shutdown()
+        finally:
+            server.kill_leftovers()
+
+
+@pytest.fixture(scope="module")
+def page(lab):
+    """A headless Chromium tab (1400x1000) logged in to ``lab``."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing. {INSTALL_HINT}")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail(f"playwright is not importable. {INSTALL_HINT}")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+            tab.set_default_timeout(30_000)
+            yield tab
+        finally:
+            browser.close()
+
+
+# -- tests ---------------------------------------------------------------------------
+
+
+def test_run_all_shows_live_panel_plot_and_final_curves(lab, page):
+    with_parameters(REPO / "notebooks" / NB, lab.root / NB, run_dir="runs/ddp", epochs=6, **SMALL)
+    _open(page, lab, NB)
+    _menu(page, "Run", "Run All Cells")
+
+    samples, running_shot = [], False
+    deadline = time.monotonic() + 150
+    while not _finished(page):
+        assert time.monotonic() < deadline, f"Run All did not finish: {samples[-1:]}"
+        state = page.evaluate(PANEL_JS, VISIBLE)
+        if state:
+            samples.append(state)
+            if not running_shot and state["plot"] and _states(state) == {"running"}:
+                _shot(page, "03-running.png")
+                running_shot = True
+        time.sleep(0.1)
+    final = page.evaluate(PANEL_JS, VISIBLE)
+    _shot(page, "03-finished.png")
+
+    assert final is not None, "the ipywidgets panel never rendered (progress='auto')"
+    assert len(final["rows"]) == 2, final["rows"]
+    assert all(row.split()[2] == "done" for row in final["rows"]), final["rows"]
+    assert "master" in final["rows"][0]
+    assert final["epoch"] == final["step"] == "100%", final
+    assert "finished" in final["status"]
+    while_running = {s["plot"] for s in samples if s["plot"] and _states(s) == {"running"}}
+    assert len(while_running) >= 2, f"the live plot changed {len(while_running)} time(s)"
+    print(f"live plot redrawn {len(while_running)} times while the nodes were running")
+    assert running_shot
+
+    # The DDP curves cell shows its figure, and no cell shows an error.
+    curves = page.locator(
+        f"{VISIBLE} .jp-CodeCell",
+        has=page.locator(".jp-InputArea", has_text="ddpnb.plot_curves("),
+    ).locator(".jp-OutputArea img")
+    assert curves.count() == 1 and curves.evaluate("img => img.naturalWidth") > 300
+    curves.scroll_into_view_if_needed()
+    page.screenshot(path=artifacts_dir() / "03-curves.png")
+    saved = _save(page, lab.root / NB)
+    outputs = [o for c in saved["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
+    assert not [o for o in outputs if o["output_type"] == "error"]
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
+
+
+def test_dark_theme_four_nodes_and_stop_button_ends_every_process(lab, page):
+    with_parameters(
+        REPO / "notebooks" / NB, lab.root / NB_4, run_dir="runs/ddp4", nnodes=4, epochs=100, **SMALL
+    )
+    _menu(page, "Settings", "Theme", "JupyterLab Dark")
+    page.locator("body[data-jp-theme-light='false']").wait_for(state="attached")
+    _open(page, lab, NB_4)
+    page.locator("body[data-jp-theme-light='false']").wait_for(state="attached")
+    _menu(page, "Run", "Run All Cells")
+
+    deadline = time.monotonic() + 90
+    while True:
+        state = page.evaluate(PANEL_JS, VISIBLE)
+        if state and state["plot"] and _states(state) == {"running"}:
+            break
+        assert time.monotonic() < deadline, f"4-node run not running with a plot: {state}"
+        time.sleep(0.2)
+    _shot(page, "03-dark-4nodes.png")
+    assert len(state["rows"]) == 4
+    for n in range(4):  # one line each, text readable on the dark background
+        row = page.locator(f"{VISIBLE} .ddpnb-node").nth(n)
+        assert row.bounding_box()["height"] < 30, f"row {n} wraps: {row.bounding_box()}"
+        assert row.evaluate(CONTRAST_JS) >= 4.5, f"row {n}: low contrast"
+    plot_filter = page.locator(f"{VISIBLE} img.ddpnb-plot").evaluate(
+        "img => getComputedStyle(img).filter"
+    )
+    assert "invert" in plot_filter, "the live plot should be inverted in the dark theme"
+    pids = training_pids(lab.root / "runs" / "ddp4")
+    assert len(pids) >= 8, f"expected 4 agents and 4 workers, found {pids}"
+
+    page.locator(f"{VISIBLE} .jp-Toolbar [data-jp-item-name='interrupt']").click()
+    t = time.monotonic()
+    while any(alive(p) for p in pids) or training_pids(lab.root / "runs" / "ddp4"):
+        assert time.monotonic() - t < INTERRUPT_LIMIT, (
+            f"still alive {INTERRUPT_LIMIT} s after the stop button: "
+            f"{[p for p in pids if alive(p)]}"
+        )
+        time.sleep(0.1)
+    stopped_in = time.monotonic() - t
+    # The launch cell ends with the interrupt's traceback; the cells after it do not run.
+    launch_cell = page.locator(
+        f"{VISIBLE} .jp-CodeCell", has=page.locator(".jp-InputArea", has_text="ddpnb.launch(")
+    )
+    launch_cell.locator(".jp-OutputArea-output", has_text="KeyboardInterrupt").wait_for()
+    state = page.evaluate(PANEL_JS, VISIBLE)
+    _shot(page, "03-dark-4nodes-stopped.png")
+    assert _states(state) == {"stopped"}, state["rows"]
+    assert "interrupted" in state["status"] and "FAILED" not in state["status"]
+    print(f"stop button -> no training process left in {stopped_in:.1f} s")
+
+
+def test_shutdown_leaves_no_process(lab):
+    lab.remember_pids()
+    kernels = lab.api("kernels")
+    assert kernels, "the notebooks' kernels should still be running here"
+    seconds = lab.shutdown()
+    assert lab.proc.returncode is not None, "JupyterLab did not exit on SIGTERM"
+    left = [p for p in lab.pids_seen if alive(p)] + training_pids(lab.root / "runs")
+    assert not left, f"processes left {seconds:.1f} s after shutdown: {left}"
