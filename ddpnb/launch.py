@@ -32,6 +32,7 @@ from .metrics import RunMetrics, load_metrics, read_progress
 from .progress import make_progress
 from .rundir import WORKER_NAME, prepare_run_dir, write_worker
 
+AGENT = Path(__file__).with_name("agent.py")
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 4.0
 # Messages of ranks that failed only because a peer died first.
@@ -615,8 +616,7 @@ def launch(
             log_paths[node] = run_dir / "logs" / f"node-{node}.log"
             cmd = [
                 sys.executable,
-                "-m",
-                "torch.distributed.run",
+                str(AGENT),  # torchrun; binds a loopback rendezvous to loopback only
                 *torchrun_args(
                     nnodes=nnodes,
                     node_rank=node,
