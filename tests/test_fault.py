@@ -133,6 +133,7 @@ def _processes_of(run_dir: Path) -> list[int]:
 # -- a full disk while writing a checkpoint -------------------------------------------------------
 
 
+@pytest.mark.root
 def test_full_disk_keeps_the_previous_checkpoint(tiny_data, tmp_path):
     if os.geteuid() != 0:
         pytest.fail("needs root to mount a small tmpfs (CI runs as root)")
