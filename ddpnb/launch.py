@@ -48,6 +48,7 @@ SECONDARY_ERRORS = (
     "Connection reset by peer",
     "Broken pipe",
     "Timed out waiting",  # gloo: a peer did not answer within timeout_seconds
+    "this node is lost",  # the worker of a killed agent stopping itself
 )
 
 
@@ -465,9 +466,11 @@ class Job:
         """A NodeLost when no worker failed on its own: a peer vanished under them."""
         if any(not secondary for (secondary, _), *_ in errors):
             return None
+        if read_progress(self.run_dir).get("time", 0) < self.started_at:
+            return None  # the nodes never all joined: a rendezvous problem, not a lost node
         killed = sorted(n for n, rc in failed.items() if rc < 0)  # agent ended by a signal
         unwatched = [n for n in range(self.nnodes) if n not in self.procs]
-        suspects = killed or unwatched
+        suspects = killed or (unwatched if errors else [])
         if not suspects:
             return None
         if killed:
@@ -479,7 +482,7 @@ class Job:
                 what += f"; nodes {unwatched} run elsewhere: check them first"
         if errors:
             _, node, rank, info = min(errors, key=lambda e: e[0])
-            what += f". Worker global rank {rank} on node {node} saw: {info['message']}"
+            what += f". Worker global rank {rank} on node {node} saw: {info['message'].rstrip('.')}"
         return NodeLost(
             f"{what}. The other nodes were stopped.{self._resume_hint()}",
             node_rank=suspects[0] if len(suspects) == 1 else None,

@@ -117,6 +117,23 @@ def test_a_lost_node_stops_the_survivor_and_the_run_resumes(tiny_data, tmp_path)
     assert f"after epoch {len(done)}" in resumed.log_tail(0, 400)
 
 
+def test_a_killed_local_agent_is_named(tiny_data, tmp_path):
+    cfg = tiny_config(tiny_data, epochs=40, timeout_seconds=10, threads=1)
+    job = ddpnb.launch(cfg, tmp_path / "r", nnodes=2, wait=False, progress="none")
+    _wait_for_epoch(tmp_path / "r", 1)
+    pids = job.pids()
+    os.killpg(job.procs[1].pid, signal.SIGKILL)
+    killed_at = time.time()
+    with pytest.raises(ddpnb.errors.NodeLost, match=r"Node 1 was lost: .*killed \(SIGKILL\)") as e:
+        job.wait(timeout=120)
+    assert time.time() - killed_at < cfg.timeout_seconds + 30
+    assert e.value.node_rank == 1 and "resume=True" in str(e.value)
+    deadline = time.time() + 10
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)]
+
+
 def _processes_of(run_dir: Path) -> list[int]:
     """PIDs whose command line names run_dir (agents and workers of that run)."""
     out = []
