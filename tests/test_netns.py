@@ -128,4 +128,5 @@ def test_two_nodes_over_a_veth_link_then_the_link_is_cut(veth_pair, tiny_data, t
     assert result["error"] == "NodeLost", (result, err[-2000:])
     assert "nodes [1] run elsewhere" in result["message"] and result["node_rank"] == 1
     assert "resume=True" in result["message"]
+    print(f"survivor stopped {elapsed:.1f} s after the cut")
     assert elapsed < cfg.timeout_seconds + 30, elapsed
