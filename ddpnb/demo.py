@@ -34,6 +34,13 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
             "progress": "text",
             **small,
         },
+        "04_fault_tolerance.ipynb": {
+            "data_dir": str(data_dir),
+            "run_dir": str(out / "fault"),
+            "out_dir": str(out),
+            "progress": "text",
+            **({"epochs": 3, "kill_at_epoch": 2, "max_steps_per_epoch": 3} if quick else {}),
+        },
         "05_scaling.ipynb": {
             "data_dir": str(data_dir),
             "run_root": str(out / "scaling"),
@@ -98,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  DDP (world size {d['world_size']}):   val_acc {d['ddp_val_acc']:.4f}  "
             f"{d['ddp_images_per_second']:.0f} img/s"
+        )
+    if "04_summary" in s:
+        f = s["04_summary"]
+        print(
+            f"  failure drill ({f['fault']}): val_acc {f['fault_val_acc']:.4f} after a restart, "
+            f"{f['uninterrupted_val_acc']:.4f} uninterrupted"
         )
     if "05_summary" in s:
         for row in s["05_summary"]["layouts"]:

@@ -65,3 +65,10 @@ class WorkerFailed(DdpnbError):
 
 class RendezvousTimeout(WorkerFailed):
     """Not every node joined the rendezvous (or answered a collective) in time."""
+
+
+class NodeLost(WorkerFailed):
+    """A node stopped answering (its agent killed, its host down, or the network cut).
+
+    ``node_rank`` names the node believed lost, or is ``None`` where it cannot be told.
+    """

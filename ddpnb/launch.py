@@ -26,16 +26,30 @@ from typing import Any
 
 from .config import PITFALL_SWITCHES, TrainConfig
 from .data import require_valid_dataset
-from .errors import ConfigError, LaunchError, PortInUseError, RendezvousTimeout, WorkerFailed
+from .errors import (
+    ConfigError,
+    LaunchError,
+    NodeLost,
+    PortInUseError,
+    RendezvousTimeout,
+    WorkerFailed,
+)
 from .log import logger
 from .metrics import RunMetrics, load_metrics, read_progress
 from .progress import make_progress
 from .rundir import WORKER_NAME, prepare_run_dir, write_worker
 
+AGENT = Path(__file__).with_name("agent.py")
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 4.0
 # Messages of ranks that failed only because a peer died first.
-SECONDARY_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+SECONDARY_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",  # gloo: a peer did not answer within timeout_seconds
+    "this node is lost",  # the worker of a killed agent stopping itself
+)
 
 
 # -- validation -------------------------------------------------------------------
@@ -434,10 +448,46 @@ class Job:
             return RendezvousTimeout(
                 f"Rank 0 has reported no progress for {quiet:.0f} s (limit: timeout_seconds + 30 = "
                 f"{limit} s): a node or rank stopped answering. See the node logs in "
-                f"{self.run_dir / 'logs'}.",
+                f"{self.run_dir / 'logs'}.{self._resume_hint()}",
                 log_tail=self.log_tail(0),
             )
         return None
+
+    def _resume_hint(self) -> str:
+        if not (self.run_dir / "checkpoints" / "last.pt").exists():
+            return ""
+        done = len(self.metrics.epochs)
+        return (
+            f" The checkpoint {self.run_dir / 'checkpoints' / 'last.pt'} holds the finished "
+            f"epochs ({done} recorded): relaunch with resume=True to continue from it."
+        )
+
+    def _lost_node(self, failed: dict[int, int], errors: list) -> NodeLost | None:
+        """A NodeLost when no worker failed on its own: a peer vanished under them."""
+        if any(not secondary for (secondary, _), *_ in errors):
+            return None
+        if read_progress(self.run_dir).get("time", 0) < self.started_at:
+            return None  # the nodes never all joined: a rendezvous problem, not a lost node
+        killed = sorted(n for n, rc in failed.items() if rc < 0)  # agent ended by a signal
+        unwatched = [n for n in range(self.nnodes) if n not in self.procs]
+        suspects = killed or (unwatched if errors else [])
+        if not suspects:
+            return None
+        if killed:
+            sig = signal.Signals(-failed[killed[0]]).name
+            what = f"Node {killed[0]} was lost: its torchrun agent was killed ({sig})"
+        else:
+            what = "A node or rank stopped answering (crashed, killed, or the network was cut)"
+            if unwatched:
+                what += f"; nodes {unwatched} run elsewhere: check them first"
+        if errors:
+            _, node, rank, info = min(errors, key=lambda e: e[0])
+            what += f". Worker global rank {rank} on node {node} saw: {info['message'].rstrip('.')}"
+        return NodeLost(
+            f"{what}. The other nodes were stopped.{self._resume_hint()}",
+            node_rank=suspects[0] if len(suspects) == 1 else None,
+            log_tail=self.log_tail(min(failed), 20),
+        )
 
     def _failure(self, failed: dict[int, int]) -> WorkerFailed:
         # Give the other agents a moment to write their error files, then pick the root
@@ -453,6 +503,9 @@ class Job:
                     errors.append(((secondary, path.stat().st_mtime), node, rank, info))
         node = min(failed)
         tail = self.log_tail(node, 200)
+        lost = self._lost_node(failed, errors)
+        if lost is not None:
+            return lost
         if errors:
             _, node, rank, info = min(errors, key=lambda e: e[0])
             exit_code = _worker_exit_code(self.log_tail(node, 200), rank)
@@ -618,8 +671,7 @@ def launch(
             log_paths[node] = run_dir / "logs" / f"node-{node}.log"
             cmd = [
                 sys.executable,
-                "-m",
-                "torch.distributed.run",
+                str(AGENT),  # torchrun; binds a loopback rendezvous to loopback only
                 *torchrun_args(
                     nnodes=nnodes,
                     node_rank=node,

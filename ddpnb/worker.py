@@ -36,11 +36,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import errno
 import hashlib
 import json
 import math
 import os
 import random
+import shutil
 import signal
 import socket
 import sys
@@ -273,6 +275,17 @@ def loader_transforms(augment: str, size: int) -> tuple[transforms.Compose, tran
     return transforms.Compose([*train, *tail]), val
 
 
+def load_image(path: str):
+    """An image as RGB; a file that cannot be decoded is named in the error."""
+    try:
+        return torchvision.datasets.folder.default_loader(path)
+    except Exception as e:
+        raise ValueError(
+            f"Corrupt or unreadable image {path} ({e}). Remove or replace the file "
+            "(`ddpnb check DATA_DIR` lists every problem), then run again."
+        ) from e
+
+
 def decode_all(samples: list[tuple[str, int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode an ImageFolder's samples once into uint8 [N, 3, size, size] and labels."""
     base = transforms.Compose(
@@ -280,7 +293,7 @@ def decode_all(samples: list[tuple[str, int]], size: int) -> tuple[torch.Tensor,
     )
     images = torch.empty((len(samples), 3, size, size), dtype=torch.uint8)
     for i, (path, _) in enumerate(samples):
-        images[i] = base(torchvision.datasets.folder.default_loader(path))
+        images[i] = base(load_image(path))
     labels = torch.tensor([label for _, label in samples], dtype=torch.long)
     return images, labels
 
@@ -350,6 +363,39 @@ def keep_epochs_upto(path: Path, last_epoch: int) -> None:
         atomic_write_bytes(path, "".join(ln + "\n" for ln in kept).encode())
 
 
+def rng_state(use_cuda: bool) -> dict:
+    """This process's random number generator states (tensors and ints: safe to load)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]),
+        "cuda": torch.cuda.get_rng_state_all() if use_cuda else [],
+    }
+
+
+def set_rng_state(state: dict, use_cuda: bool) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(state["python"]), None))
+    if use_cuda and state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def init_process_group(
+    backend: str, timeout_seconds: int, rank: int, world_size: int, restart_count: int
+) -> None:
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # torchrun's static rendezvous keeps one store for every attempt: after a restart the
+    # new workers would read the dead workers' addresses from it and hang. A prefix per
+    # attempt gives each attempt clean keys.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    store = dist.PrefixStore(f"ddpnb/attempt_{restart_count}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def checkpoint_config(cfg: dict) -> dict:
     # Fields that may change on resume without invalidating the checkpoint.
     return {k: v for k, v in cfg.items() if k not in ("epochs", "timeout_seconds")}
@@ -380,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     master_process = global_rank == 0  # does the run's file I/O
     fault = parse_fault(os.environ["DDPNB_FAULT"]) if os.environ.get("DDPNB_FAULT") else None
+    agent_pid = os.getppid()  # torchrun's agent; if it dies, this node is lost: stop too
 
     # ddpnb's launcher has torchrun prefix every line with the rank already.
     prefix = "" if os.environ.get("DDPNB_LAUNCHED") else f"[rank {global_rank}] "
@@ -398,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(cfg["threads"] or threads_for_host(procs_on_host))
     backend = cfg["backend"] if cfg["backend"] != "auto" else ("nccl" if use_cuda else "gloo")
     if distributed:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg["timeout_seconds"]))
+        init_process_group(backend, cfg["timeout_seconds"], global_rank, world_size, restart_count)
     log(
         f"node {node_rank} local_rank {local_rank} of world_size {world_size} on "
         f"{socket.gethostname()}, {device}, backend {backend if distributed else 'none'}, "
@@ -437,8 +484,12 @@ def main(argv: list[str] | None = None) -> None:
     augment = resolve_augment(cfg, data_dir)
     size = cfg["image_size"]
     train_tf, val_tf = loader_transforms(augment, size)
-    train_set = torchvision.datasets.ImageFolder(data_dir / "train", transform=train_tf)
-    val_set = torchvision.datasets.ImageFolder(data_dir / "val", transform=val_tf)
+    train_set = torchvision.datasets.ImageFolder(
+        data_dir / "train", transform=train_tf, loader=load_image
+    )
+    val_set = torchvision.datasets.ImageFolder(
+        data_dir / "val", transform=val_tf, loader=load_image
+    )
     if train_set.classes != val_set.classes:
         raise ValueError(f"train/ and val/ of {data_dir} hold different classes.")
     num_classes = len(train_set.classes)
@@ -558,6 +609,10 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         start_epoch = ckpt["epoch"] + 1
+        # Each rank continues its own random streams (the loader pipeline's transforms
+        # draw from them); with another world size the per-epoch seeds still hold.
+        if isinstance(ckpt["rng"], list) and len(ckpt["rng"]) == world_size:
+            set_rng_state(ckpt["rng"][global_rank], use_cuda)
         log(f"resumed from {ckpt_path} after epoch {ckpt['epoch']}")
     if master_process:
         keep_epochs_upto(metrics_path, start_epoch - 1)
@@ -623,6 +678,11 @@ def main(argv: list[str] | None = None) -> None:
                 if fault["mode"] == "raise":
                     raise RuntimeError(f"DDPNB_FAULT injected failure at epoch {epoch} step {step}")
                 os.kill(os.getpid(), signal.SIGKILL)
+            if distributed and os.getppid() != agent_pid:
+                raise RuntimeError(
+                    f"The torchrun agent (pid {agent_pid}) of node {node_rank} is gone: this "
+                    "node is lost, so its worker stops too. Relaunch with resume=True."
+                )
             now = time.perf_counter()
             if master_process and (
                 now - last_progress > PROGRESS_INTERVAL or step + 1 == steps_per_epoch
@@ -719,7 +779,13 @@ def main(argv: list[str] | None = None) -> None:
                 f"epoch {epoch}/{cfg['epochs']} train_loss {row['train_loss']:.4f} "
                 f"val_acc {row['val_acc']:.4f} {row['images_per_second']:.0f} img/s"
             )
-            if epoch % cfg["checkpoint_every"] == 0 or epoch == cfg["epochs"]:
+        save_checkpoint = epoch % cfg["checkpoint_every"] == 0 or epoch == cfg["epochs"]
+        rng_states = [rng_state(use_cuda)]
+        if save_checkpoint and distributed:
+            rng_states = [None] * world_size
+            dist.all_gather_object(rng_states, rng_state(use_cuda))
+        if master_process:
+            if save_checkpoint:
                 ckpt_dir.mkdir(exist_ok=True)
                 ckpt = {
                     "model": raw_model.state_dict(),
@@ -729,11 +795,7 @@ def main(argv: list[str] | None = None) -> None:
                     "sampler_epoch": epoch,
                     "config": cfg,
                     "fingerprint": fingerprint,
-                    "rng": {
-                        "torch": torch.get_rng_state(),
-                        "python": list(random.getstate()[1]),
-                        "cuda": torch.cuda.get_rng_state_all() if use_cuda else [],
-                    },
+                    "rng": rng_states,  # one entry per global rank
                 }
                 tmp = ckpt_dir / f".last.pt.{os.getpid()}.tmp"
                 try:
@@ -742,9 +804,17 @@ def main(argv: list[str] | None = None) -> None:
                         f.flush()
                         os.fsync(f.fileno())
                     os.replace(tmp, ckpt_path)  # the previous checkpoint survives a failed write
-                except OSError:
+                except (OSError, RuntimeError) as e:  # torch.save wraps write errors
                     tmp.unlink(missing_ok=True)
-                    raise
+                    kept = "is kept intact" if ckpt_path.exists() else "does not exist yet"
+                    free = shutil.disk_usage(ckpt_dir).free
+                    raise OSError(
+                        getattr(e, "errno", None) or errno.EIO,
+                        f"Could not write the checkpoint of epoch {epoch} to {ckpt_path} "
+                        f"({e}; {free / 2**20:.1f} MiB free there). The previous checkpoint "
+                        f"{kept}. Free space on that filesystem (or choose another run_dir), "
+                        "then relaunch with resume=True",
+                    ) from e
         if distributed:
             dist.barrier()  # nobody starts the next epoch before the checkpoint is on disk
 

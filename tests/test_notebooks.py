@@ -89,6 +89,20 @@ def test_03_multi_node(executed):
 
 
 @pytest.mark.slow
+def test_04_fault_tolerance(executed):
+    out, failures = executed
+    assert "04_fault_tolerance.ipynb" not in failures, failures.get("04_fault_tolerance.ipynb")
+    s = _summary(out, "04")
+    assert s["epochs"] == [1, 2, 3] and s["restart_counts"] == [0, 1, 1]
+    assert abs(s["fault_val_acc"] - s["uninterrupted_val_acc"]) <= 0.01
+    rows = [json.loads(x) for x in (out / "fault" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2, 3, 4]  # then resumed for one more epoch
+    assert (out / "04_fault_curves.png").read_bytes()[:4] == b"\x89PNG"
+    text = (out / "04_fault_tolerance.ipynb").read_text()
+    assert "DDPNB_FAULT: kill at epoch 2 step 1" in text and "resumed from" in text
+
+
+@pytest.mark.slow
 def test_05_scaling(executed):
     out, failures = executed
     assert "05_scaling.ipynb" not in failures, failures.get("05_scaling.ipynb")
