@@ -97,7 +97,11 @@ def reference_single(steps: int, batch: int) -> dict:
 def ddpnb_run(data: Path, nnodes: int, nproc: int, epochs: int, **cfg) -> dict:
     """Train with ddpnb.launch; return steady images/s (epochs after the first) and latency."""
     run_dir = Path(tempfile.mkdtemp(prefix="ddpnb-bench-"))
-    config = ddpnb.TrainConfig(data_dir=str(data), image_size=32, epochs=epochs, **cfg)
+    # Full batches only (1437 train images: 22 steps of 64), like the reference loop: a
+    # short last batch pays a whole step's all-reduce and optimizer update for few images.
+    config = ddpnb.TrainConfig(
+        data_dir=str(data), image_size=32, epochs=epochs, max_steps_per_epoch=22, **cfg
+    )
     t0 = time.time()
     job = ddpnb.launch(
         config, run_dir, nnodes=nnodes, nproc_per_node=nproc, progress="none", overwrite=True
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     data = Path(tempfile.mkdtemp(prefix="ddpnb-bench-data-")) / "digits"
     ddpnb.prepare_digits(data, image_size=32)
     ddpnb.inspect_dataset(data, show=False)
-    steps = 40
+    steps = 44  # as many timed steps as two ddpnb epochs of 22
 
     samples: dict[str, list[float]] = {}
 
@@ -228,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         "ddpnb 1x2": two_ips * flops_per_image / peak,
     }
 
+    print("levers, each alone against the plain DDP loop:", flush=True)
+    levers = subprocess.run(
+        [sys.executable, str(HERE / "levers.py"), "--repeats", str(repeats)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    lever_table = [ln for ln in levers.splitlines() if ln.startswith("|")]
+
     suite = {}
     if args.suite:
         suite["make test"] = timed(["make", "test"])
@@ -255,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     lines += [f"- {k}: {v:.1%}" for k, v in efficiency.items()]
+    lines += ["", "Levers, each measured alone (`bench/levers.py`):", "", *lever_table]
     if suite:
         lines += ["", "Wall times after install:", ""]
         lines += [f"- `{k}`: {v:.0f} s" for k, v in suite.items()]
