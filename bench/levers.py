@@ -2,7 +2,8 @@
 
 2 processes x 1 thread on this host, resnet18 at 32 px, per-process batch 32, in-memory
 batches. Each variant changes one thing; the ratio is its images/s over the plain loop's,
-measured back to back in every repeat (median [min-max] printed). ``noop`` skips the
+measured back to back in every repeat (median [min-max] printed). Every variant after
+"fused SGD" is on top of it. ``noop`` skips the
 all-reduce entirely (the ranks drift apart): it is the ceiling that communication leaves.
 
     python bench/levers.py [--repeats 3] [--steps 30]
@@ -21,13 +22,13 @@ import time
 VARIANTS = {
     "plain": [],
     "fused SGD": ["--fused"],
-    "bf16 compression hook": ["--fused", "--hook", "bf16"],
-    "bucket_cap_mb 5": ["--fused", "--bucket", "5"],
-    "bucket_cap_mb 100": ["--fused", "--bucket", "100"],
-    "gradient_as_bucket_view + static_graph": ["--fused", "--view", "--static"],
-    "channels_last": ["--fused", "--channels-last"],
-    "pinned to one core per rank": ["--fused", "--pin"],
-    "no all-reduce at all (noop hook)": ["--fused", "--hook", "noop"],
+    "fused + bf16 compression hook": ["--fused", "--hook", "bf16"],
+    "fused + bucket_cap_mb 5": ["--fused", "--bucket", "5"],
+    "fused + bucket_cap_mb 100": ["--fused", "--bucket", "100"],
+    "fused + gradient_as_bucket_view + static_graph": ["--fused", "--view", "--static"],
+    "fused + channels_last": ["--fused", "--channels-last"],
+    "fused + pinned to one core per rank": ["--fused", "--pin"],
+    "fused + no all-reduce at all (noop hook)": ["--fused", "--hook", "noop"],
 }
 
 

@@ -269,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines += [f"- {k}: {v:.1%}" for k, v in efficiency.items()]
     lines += ["", "Levers, each measured alone (`bench/levers.py`):", "", *lever_table]
+    lines += [
+        "",
+        "GPU path (`bench/gpu.py`: resnet50 at 224 px, bf16 autocast, channels_last, synthetic "
+        "data): unmeasured; no GPU has been lent to this project yet. Run it on one and "
+        "record its line here.",
+    ]
     if suite:
         lines += ["", "Wall times after install:", ""]
         lines += [f"- `{k}`: {v:.0f} s" for k, v in suite.items()]
