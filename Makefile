@@ -23,8 +23,8 @@ test: setup lint
 	$(PY) -m pytest -q tests
 
 lint: setup
-	$(PY) -m ruff check ddpnb tests notebooks
-	$(PY) -m ruff format --check ddpnb tests notebooks
+	$(PY) -m ruff check ddpnb tests notebooks bench
+	$(PY) -m ruff format --check ddpnb tests notebooks bench
 
 # Loopback only; the URL with its token is printed. As root (containers) JupyterLab
 # refuses to start without --allow-root.

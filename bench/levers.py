@@ -18,7 +18,9 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "plain": [],
     "fused SGD": ["--fused"],
@@ -28,6 +30,7 @@ VARIANTS = {
     "fused + gradient_as_bucket_view + static_graph": ["--fused", "--view", "--static"],
     "fused + channels_last": ["--fused", "--channels-last"],
     "fused + pinned to one core per rank": ["--fused", "--pin"],
+    "fused + shared-memory average (ddpnb's default on one host)": ["--fused", "--hook", "shm"],
     "fused + no all-reduce at all (noop hook)": ["--fused", "--hook", "noop"],
 }
 
@@ -55,6 +58,12 @@ def worker(args: argparse.Namespace) -> None:
     )
     if args.hook == "bf16":
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif args.hook == "shm":
+        sys.path.insert(0, str(ROOT))
+        from ddpnb.worker import SharedMemoryAllReduce, timed_comm_hook
+
+        state = {"blocked": 0.0, "returned": None}
+        model.register_comm_hook(state, timed_comm_hook("none", SharedMemoryAllReduce.create()))
     elif args.hook == "noop":
 
         def noop(state, bucket):

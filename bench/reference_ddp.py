@@ -5,7 +5,9 @@ sliced from in-memory tensors, no logging. Run it under torchrun::
 
     torchrun --nproc_per_node 2 bench/reference_ddp.py --steps 40 --batch-size 32
 
-Without torchrun it is the single-process ceiling (no DDP, every core).
+Without torchrun it is the single-process ceiling (no DDP, every core). With
+``--independent`` under torchrun the processes skip DDP and never exchange gradients:
+the bound that any gradient averaging leaves (the models drift apart).
 Prints one JSON line: images/s over the timed steps, and the wall time of the first step.
 """
 
@@ -29,6 +31,7 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--n", type=int, default=1437, help="training images")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--independent", action="store_true", help="no DDP: no gradient exchange")
     args = p.parse_args()
     started = float(os.environ.get("BENCH_T0", time.time()))
     distributed = "RANK" in os.environ
@@ -43,7 +46,7 @@ def main() -> None:
     images = torch.rand(args.n, 3, args.image_size, args.image_size)
     labels = torch.randint(0, 10, (args.n,))
     model = torchvision.models.resnet18(num_classes=10)
-    if distributed:
+    if distributed and not args.independent:
         model = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()

@@ -80,12 +80,13 @@ def torchrun(script_args: list[str], nproc: int, threads: int | None, nnodes: in
     return json.loads(line)
 
 
-def reference_single(steps: int, batch: int) -> dict:
-    """The ceiling: the reference loop as one plain process on every core."""
+def reference_single(steps: int, batch: int, threads: int = 0) -> dict:
+    """The ceiling: the reference loop as one plain process on every core (or ``threads``)."""
     env = dict(os.environ, BENCH_T0=repr(time.time()))
     env.pop("OMP_NUM_THREADS", None)
     out = subprocess.run(
-        [sys.executable, str(REFERENCE), "--steps", str(steps), "--batch-size", str(batch)],
+        [sys.executable, str(REFERENCE), "--steps", str(steps), "--batch-size", str(batch)]
+        + ["--threads", str(threads)],
         env=env,
         capture_output=True,
         text=True,
@@ -188,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         ref_nodes_nobudget = torchrun(
             ["--steps", str(steps), "--batch-size", "32"], 1, threads=None, nnodes=2
         )
+        bound = torchrun(["--steps", str(steps), "--batch-size", "32", "--independent"], 2, 1)
+        core32 = reference_single(steps, 32, threads=1)["images_per_second"]
+        core64 = reference_single(steps, 64, threads=1)["images_per_second"]
         one = ddpnb_run(data, 1, 1, epochs, batch_size=64)
         two = ddpnb_run(data, 1, 2, epochs, batch_size=32)
+        gloo = ddpnb_run(data, 1, 2, epochs, batch_size=32, comm_hook="none")
         nodes = ddpnb_run(data, 2, 1, epochs, batch_size=32)
         loader = ddpnb_run(data, 1, 2, epochs, batch_size=32, pipeline="loader")
         note("ceiling images/s", ceiling)
@@ -197,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         note("ddpnb 1x2 images/s", two["images_per_second"])
         note("0 ddpnb 1x2 / ceiling", two["images_per_second"] / ceiling)
         note("0 reference DDP 1x2 / ceiling", ref2["images_per_second"] / ceiling)
+        note(
+            "0 ddpnb 1x2 with gloo's all-reduce (comm_hook='none') / ceiling",
+            gloo["images_per_second"] / ceiling,
+        )
+        note(
+            "0 bound: 2 processes that never exchange gradients (no DDP) / ceiling",
+            bound["images_per_second"] / ceiling,
+        )
+        note("0 why: one core at batch 32 / one core at batch 64 (images/s)", core32 / core64)
         note(
             "1 ddpnb 1x2 / reference DDP 1x2", two["images_per_second"] / ref2["images_per_second"]
         )
@@ -219,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             two["first_step_seconds"] / ref2["first_step_seconds"],
         )
         note("ddpnb 1x2 communication share of epoch", two["comm_share"])
+        note("ddpnb 1x2 communication share with gloo's all-reduce", gloo["comm_share"])
         note("ddpnb 1x1 images/s", one["images_per_second"])
 
     peak = matmul_flops(os.cpu_count() or 1)

@@ -21,7 +21,7 @@ from .worker import PITFALL_SWITCHES
 Backend = Literal["auto", "gloo", "nccl"]
 Augment = Literal["auto", "digits", "photo", "none"]
 Pipeline = Literal["auto", "memory", "loader"]
-CommHook = Literal["none", "bf16", "fp16"]
+CommHook = Literal["auto", "shm", "none", "bf16", "fp16"]
 LrSchedule = Literal["cosine", "constant"]
 
 
@@ -76,7 +76,10 @@ class TrainConfig:
     #: Intra-op threads per process on CPU; 0 splits the host's cores over its processes.
     threads: int = 0
     bucket_cap_mb: int = 25
-    comm_hook: CommHook = "none"
+    #: How DDP averages gradients. ``shm``: through shared memory, for ranks on one host
+    #: (gloo only); ``none``: the backend's plain all-reduce; ``bf16``/``fp16``: compressed.
+    #: ``auto`` takes ``shm`` when every rank shares this host's /dev/shm, else ``none``.
+    comm_hook: CommHook = "auto"
     channels_last: bool = False
     # -- pitfall switches (notebook 06) ----------------------------------------------
     # Each defaults to the correct behaviour. Turning one off reproduces a classic DDP
@@ -110,6 +113,11 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
         if self.bucket_cap_mb < 1:
             raise ConfigError("bucket_cap_mb must be >= 1.")
+        if self.comm_hook == "shm" and self.backend == "nccl":
+            raise ConfigError(
+                "comm_hook='shm' averages CPU tensors for gloo; NCCL already uses shared "
+                "memory between GPUs of one host. Use comm_hook='auto' or 'none' with nccl."
+            )
         if not self.model:
             raise ConfigError(
                 "model must name a torchvision classification model, e.g. 'resnet18'."

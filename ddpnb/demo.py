@@ -118,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"  scaling {row['layout']}:  {row['images/s']} img/s, efficiency "
                 f"{row['efficiency']:.2f}, communication share {row['communication share']:.2f}"
             )
+        v = s["05_summary"].get("shared_memory_vs_gloo")
+        if v:
+            print(
+                f"  {v['layout']} gradients through shared memory "
+                f"{v['shared_memory_images_per_second']} img/s, through gloo "
+                f"{v['gloo_images_per_second']} img/s, identical weights {v['identical_weights']}"
+            )
     print("  plots: " + ", ".join(sorted(p.name for p in out.glob("*.png"))))
     return 0
 

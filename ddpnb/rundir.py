@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .errors import RunDirError
+from .worker import RESUMABLE_KEYS
 
 WORKER_NAME = "train_ddp.py"
 # Everything a run writes; overwrite=True removes exactly these and nothing else.
@@ -81,13 +82,11 @@ def prepare_run_dir(
         except ValueError:
             old = {}
         new = config.to_dict()
-        changed = sorted(
-            k for k in new if k not in ("epochs", "timeout_seconds") and old.get(k) != new[k]
-        )
+        changed = sorted(k for k in new if k not in RESUMABLE_KEYS and old.get(k) != new[k])
         if changed:
             raise RunDirError(
                 f"{run_dir} holds a run with a different config (differs in: {', '.join(changed)}). "
-                "Resume with the same settings (only epochs may grow), or pass overwrite=True "
+                "Resume with the same settings (only epochs, timeouts and comm settings may change), or pass overwrite=True "
                 "to replace that run, or choose another run_dir."
             )
     try:

@@ -118,6 +118,9 @@ def test_05_scaling(executed):
             recs[-1]["comm_seconds"] > 0 for recs in ranks.values()
         )
     assert (out / "05_scaling.png").exists()
+    versus = _summary(out, "05")["shared_memory_vs_gloo"]
+    assert versus["layout"] == "1x2" and versus["identical_weights"] is True
+    assert versus["gloo_images_per_second"] > 0
 
 
 @pytest.mark.slow
