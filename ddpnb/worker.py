@@ -21,6 +21,10 @@ Two nodes, one process each. Node 0 is the master: it hosts the rendezvous at
 
 Without torchrun it trains as one process: ``python train_ddp.py --config config.json``.
 
+Ranks that share a host (and its /dev/shm) average gradients through shared memory
+rather than the backend's all-reduce (``comm_hook`` ``auto``, the default); across hosts
+gloo or NCCL carry them as usual.
+
 Every node needs the same dataset at ``data_dir``: at start-up the ranks compare
 dataset fingerprints and stop if they differ. The rendezvous store is not
 authenticated: run multi-node jobs on trusted networks only.
