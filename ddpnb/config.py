@@ -218,4 +218,5 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "None"
-    return f"a {tp.__name__}"
+    name = tp.__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"

@@ -46,7 +46,7 @@ def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None 
             ]
             if resumed:
                 xs, ys = zip(*resumed)
-                ax.plot(xs, ys, "x", color="red", ms=10, mew=2, label=f"{label} resumed")
+                ax.plot(xs, ys, "x", color="red", ms=10, mew=2, label=f"{label}: restart")
     # Log scale: an untrained first epoch can sit 100x above the rest.
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss (log)", title="Loss", yscale="log")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="Accuracy", ylim=(0, 1.02))

@@ -61,7 +61,7 @@ def test_restart_resumes_and_matches_the_uninterrupted_run(tiny_data, tmp_path, 
     assert rows[-1]["val_acc"] == clean.metrics.final["val_acc"]
 
     fig = ddpnb.plot_curves([tmp_path / "clean", tmp_path / "fault"], labels=["clean", "fault"])
-    markers = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_label() == "fault resumed"]
+    markers = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_label() == "fault: restart"]
     assert len(markers) == 2 and all(list(m.get_xdata()) == [2] for m in markers)
 
 

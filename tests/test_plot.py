@@ -49,7 +49,7 @@ def test_plot_curves_overlays_runs_and_marks_restarts(tmp_path):
     assert isinstance(fig, Figure)
     loss_ax, acc_ax = fig.axes
     labels = [line.get_label() for line in acc_ax.get_lines()]
-    assert labels == ["one train", "one val", "two train", "two val", "two resumed"]
+    assert labels == ["one train", "one val", "two train", "two val", "two: restart"]
     resumed = acc_ax.get_lines()[-1]
     assert list(resumed.get_xdata()) == [3]
     assert list(loss_ax.get_lines()[1].get_ydata()) == [2.2 / e for e in range(1, 5)]
