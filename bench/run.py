@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,9 +117,11 @@ def ddpnb_run(data: Path, nnodes: int, nproc: int, epochs: int, **cfg) -> dict:
         for recs in ranks.values()
         for r in recs[1:]
     ]
+    first_step = read_progress(run_dir)["first_step_time"] - t0
+    shutil.rmtree(run_dir)
     return {
         "images_per_second": statistics.median(r["images_per_second"] for r in steady),
-        "first_step_seconds": read_progress(run_dir)["first_step_time"] - t0,
+        "first_step_seconds": first_step,
         "comm_share": sum(comm) / max(sum(total), 1e-9),
         "val_acc": rows[-1]["val_acc"],
         # From PNG files end to end: the one-off decode counted against the training time.
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         note("ddpnb 1x2 communication share with gloo's all-reduce", gloo["comm_share"])
         note("ddpnb 1x1 images/s", one["images_per_second"])
 
+    shutil.rmtree(data.parent)
     peak = matmul_flops(os.cpu_count() or 1)
     flops_per_image = train_step_flops() / 64
     one_ips = statistics.median(samples["ddpnb 1x1 images/s"])

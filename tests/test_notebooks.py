@@ -15,6 +15,9 @@ ALL = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 @pytest.mark.parametrize("name", ALL)
 def test_committed_without_outputs_and_with_parameters(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    raw = json.loads((NOTEBOOKS / name).read_text())
+    ids = [c.get("id") for c in raw["cells"]]  # nbformat 4.5 wants one per cell
+    assert all(ids) and len(set(ids)) == len(ids)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(not c.outputs and c.execution_count is None for c in code)
     first = code[0]
