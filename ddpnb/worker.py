@@ -134,10 +134,16 @@ def index_order_hash(indices) -> str:
     return hashlib.sha256(",".join(map(str, indices)).encode()).hexdigest()[:16]
 
 
+def sync_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics)."""
+    for b in model.buffers():
+        dist.broadcast(b, src=0)
+
+
 def parameter_checksum(model: nn.Module) -> str:
-    """16 hex digits of sha256 over the parameters' exact bytes (identical copies match)."""
+    """16 hex digits of sha256 over parameters and buffers (identical copies match)."""
     digest = hashlib.sha256()
-    for p in model.parameters():
+    for p in [*model.parameters(), *model.buffers()]:
         x = p.detach().cpu().contiguous()
         # A plain memory copy: bytes(storage) would walk the elements one by one.
         digest.update(ctypes.string_at(x.data_ptr(), x.numel() * x.element_size()))
@@ -324,15 +330,17 @@ class SharedMemoryAllReduce:
         summed = shared[w * n :]  # slice o holds the average that rank o computed
         edges = [n * i // w for i in range(w + 1)]
         own = slice(edges[r], edges[r + 1])
-        for o in range(w):
+        for o in range(w):  # divided on the way: a/w + b/w, the terms gloo adds
             if o != r:
-                inbox[r, edges[o] : edges[o + 1]].copy_(buf[edges[o] : edges[o + 1]])
+                torch.div(buf[edges[o] : edges[o + 1]], w, out=inbox[r, edges[o] : edges[o + 1]])
         self.agree(True)  # every copy is in place
         mine = buf[own]
-        for o in range(w):  # rank order, as gloo's ring adds them at two ranks
-            if o != r:
-                mine.add_(inbox[o, own])
-        summed[own].copy_(mine.div_(w))
+        others = [o for o in range(w) if o != r]
+        # One pass for the first term: inbox + mine / w (exact scaling for w = 2, 4, ...).
+        torch.add(inbox[others[0], own], mine, alpha=1.0 / w, out=mine)
+        for o in others[1:]:
+            mine.add_(inbox[o, own])
+        summed[own].copy_(mine)
         # After this barrier nobody reads the inbox any more, and the next bucket's
         # inbox writes cannot overtake a reader of ``summed`` (they wait at the first).
         self.agree(True)
@@ -701,6 +709,10 @@ def main(argv: list[str] | None = None) -> None:
             device_ids=[local_rank] if use_cuda else None,
             bucket_cap_mb=cfg["bucket_cap_mb"],
             gradient_as_bucket_view=True,
+            # Rank 0's BatchNorm statistics are sent once per epoch (sync_buffers), not
+            # before every forward: training never reads them, and a per-step broadcast
+            # is one more point where every rank waits for the slowest.
+            broadcast_buffers=False,
         )
         shared = None
         if cfg["comm_hook"] in ("auto", "shm") and backend == "gloo":
@@ -849,6 +861,8 @@ def main(argv: list[str] | None = None) -> None:
         if use_cuda:
             torch.cuda.synchronize()
         train_seconds = time.perf_counter() - epoch_start
+        if world_size > 1:
+            sync_buffers(raw_model)  # every rank validates the model rank 0 checkpoints
         param_checksum = parameter_checksum(raw_model)
 
         # Validation on the unwrapped model: no DDP collectives inside, so ranks whose

@@ -46,6 +46,8 @@ def test_metrics_and_rank_files(layout_run, layout):
         assert {r["local_rank"] for r in recs} == set(range(nproc))
         for r in recs:
             assert r["data_wait_seconds"] >= 0 and r["compute_seconds"] > 0
+        # Parameters and BatchNorm buffers: every rank validates one identical model.
+        assert len({r["param_checksum"] for r in recs}) == 1
     assert (job.run_dir / "checkpoints" / "last.pt").exists()
     assert job.metrics.config["data_dir"] == job.config.data_dir
 
