@@ -82,7 +82,9 @@ def prepare_run_dir(
         except ValueError:
             old = {}
         new = config.to_dict()
-        changed = sorted(k for k in new if k not in RESUMABLE_KEYS and old.get(k) != new[k])
+        # A run written before a field existed ran with that field's default.
+        before = {**TrainConfig().to_dict(), **old}
+        changed = sorted(k for k in new if k not in RESUMABLE_KEYS and before.get(k) != new[k])
         if changed:
             raise RunDirError(
                 f"{run_dir} holds a run with a different config (differs in: {', '.join(changed)}). "

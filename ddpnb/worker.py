@@ -748,10 +748,12 @@ def main(argv: list[str] | None = None) -> None:
     start_epoch = 1
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        if checkpoint_config(ckpt["config"]) != checkpoint_config(cfg):
-            changed = sorted(
-                k for k in checkpoint_config(cfg) if ckpt["config"].get(k) != cfg.get(k)
-            )
+        # A field the checkpoint predates (written by an older ddpnb) is not compared
+        # here; the launcher has compared it with that field's default.
+        changed = sorted(
+            k for k in checkpoint_config(cfg) if k in ckpt["config"] and ckpt["config"][k] != cfg[k]
+        )
+        if changed:
             raise RuntimeError(
                 f"{ckpt_path} was written with a different config (changed: {changed}). "
                 "Resume with the original config, or start a new run (another run_dir, "

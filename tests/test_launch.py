@@ -1,5 +1,6 @@
 """The launcher: validation before launch, failures surfaced, nothing left running."""
 
+import json
 import os
 import signal
 import socket
@@ -224,3 +225,29 @@ def test_resume_continues_from_the_checkpoint(tiny_data, tmp_path):
     assert [e["epoch"] for e in job.metrics.epochs] == [1, 2]  # each epoch exactly once
     assert (run / "metrics.jsonl").read_text().splitlines()[0] == first[0]  # epoch 1 kept as is
     assert "resumed from" in job.log_tail(0, 200) and "after epoch 1" in job.log_tail(0, 200)
+
+
+@pytest.mark.slow
+def test_a_run_from_before_a_config_field_existed_resumes(tiny_data, tmp_path):
+    # An older ddpnb wrote config.json and the checkpoint without thread_budget.
+    run = tmp_path / "r"
+    ddpnb.launch(tiny_config(tiny_data, epochs=1), run, nnodes=1, progress="none")
+    saved = json.loads((run / "config.json").read_text())
+    del saved["thread_budget"]
+    (run / "config.json").write_text(json.dumps(saved))
+    ckpt = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    del ckpt["config"]["thread_budget"]
+    torch.save(ckpt, run / "checkpoints" / "last.pt")
+    with pytest.raises(RunDirError, match="thread_budget"):  # not its default
+        ddpnb.launch(
+            tiny_config(tiny_data, epochs=2, thread_budget=False),
+            run,
+            nnodes=1,
+            progress="none",
+            resume=True,
+        )
+    job = ddpnb.launch(
+        tiny_config(tiny_data, epochs=2), run, nnodes=1, progress="none", resume=True
+    )
+    assert [e["epoch"] for e in job.metrics.epochs] == [1, 2]
+    assert "after epoch 1" in job.log_tail(0, 200)
