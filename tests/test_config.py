@@ -45,11 +45,18 @@ def test_unknown_keys_are_rejected_with_the_valid_list():
         ({"augment": "flip"}, "augment"),
         ({"weights": 3}, "weights"),
         ({"image_size": 0}, "image_size"),
+        ({"comm_hook": "nccl"}, "comm_hook"),
+        ({"comm_hook": "shm", "backend": "nccl"}, "comm_hook='shm' averages CPU tensors"),
     ],
 )
 def test_bad_values_are_rejected(changes, words):
     with pytest.raises(ConfigError, match=words):
         TrainConfig(**changes)
+
+
+def test_type_errors_name_the_type_with_its_article():
+    with pytest.raises(ConfigError, match="epochs must be an int, got '2'"):
+        TrainConfig(epochs="2")
 
 
 def test_int_is_accepted_for_float_fields():
