@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +58,18 @@ def digits_data(tmp_path_factory) -> Path:
 def data_copy(tiny_data, tmp_path) -> Path:
     """A private copy of the tiny dataset that a test may damage."""
     return Path(shutil.copytree(tiny_data, tmp_path / "data"))
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A small real filesystem mounted at ``path`` for the block (root only; CI is root)."""
+    if os.geteuid() != 0:
+        pytest.fail("needs root to mount a tmpfs (CI runs as root)")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "ddpnb-test", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
 
 
 def tiny_config(data_dir, **changes) -> ddpnb.TrainConfig:

@@ -21,12 +21,10 @@ disk full while writing a checkpoint              test_fault.test_full_disk_keep
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 
 import pytest
-from conftest import tiny_config
+from conftest import tiny_config, tmpfs
 
 import ddpnb
 from ddpnb.errors import ConfigError, DatasetError, RunDirError
@@ -99,13 +97,8 @@ def test_run_dir_with_another_run(tiny_data, tmp_path):
 
 @pytest.mark.root
 def test_read_only_run_dir(tiny_data, tmp_path):
-    if os.geteuid() != 0:
-        pytest.fail("needs root to mount a read-only tmpfs (CI runs as root)")
     ro = tmp_path / "ro"
     ro.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "ddpnb-ro", str(ro)], check=True)
-    try:
+    with tmpfs(ro, "ro,size=1m"):
         with pytest.raises(RunDirError, match="not writable.*Read-only file system"):
             ddpnb.launch(tiny_config(tiny_data), ro / "run", nnodes=1)
-    finally:
-        subprocess.run(["umount", str(ro)], check=True)

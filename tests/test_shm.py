@@ -6,13 +6,13 @@ Real gloo process groups in spawned processes (no torchrun needed to test one cl
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import tmpfs
 
 from ddpnb.worker import SharedMemoryAllReduce
 
@@ -63,17 +63,13 @@ def test_ranks_that_do_not_share_dev_shm_use_the_backend(tmp_path):
     assert [list(d.iterdir()) for d in dirs] == [[], []]
 
 
+@pytest.mark.root
 def test_full_dev_shm_falls_back_to_the_backend(tmp_path):
-    if os.geteuid() != 0:
-        pytest.fail("needs root to mount a small tmpfs (CI runs as root)")
     small = tmp_path / "small-shm"
     small.mkdir()
     # Room for the small buckets but not for the largest: it must not SIGBUS.
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "ddpnb-shm", str(small)], check=True)
-    try:
+    with tmpfs(small, "size=256k"):
         results = run_ranks(tmp_path, [str(small)] * 3)
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
     assert all(r["shared"] for r in results)
     assert all(r["match"] == [True] * len(SIZES) for r in results)
     assert all(r["disabled"] for r in results)
