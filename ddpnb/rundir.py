@@ -88,8 +88,8 @@ def prepare_run_dir(
         if changed:
             raise RunDirError(
                 f"{run_dir} holds a run with a different config (differs in: {', '.join(changed)}). "
-                "Resume with the same settings (only epochs, timeouts and comm settings may change), or pass overwrite=True "
-                "to replace that run, or choose another run_dir."
+                "Resume with the same settings (only epochs, timeouts and comm settings may "
+                "change), or pass overwrite=True to replace that run, or choose another run_dir."
             )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
