@@ -1,13 +1,32 @@
-"""ddpnb: from one process to multi-node DistributedDataParallel, from a notebook."""
+"""ddpnb: from one process to multi-node DistributedDataParallel, from a notebook.
 
-from .cluster import node_commands, slurm_script
+``import ddpnb`` is light: the public names load their module (and torch, or
+matplotlib) on first use, so ``ddpnb check`` answers before torch is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from .config import TrainConfig
-from .data import inspect_dataset, prepare_digits
 from .errors import DdpnbError, WorkerFailed
-from .launch import Job, launch, train_single
-from .metrics import load_metrics
-from .plot import plot_curves, plot_scaling, plot_throughput
-from .rundir import write_worker
+
+# public name -> the module that defines it (imported on first access)
+_LAZY = {
+    "Job": "launch",
+    "launch": "launch",
+    "train_single": "launch",
+    "inspect_dataset": "data",
+    "prepare_digits": "data",
+    "load_metrics": "metrics",
+    "node_commands": "cluster",
+    "slurm_script": "cluster",
+    "plot_curves": "plot",
+    "plot_scaling": "plot",
+    "plot_throughput": "plot",
+    "write_worker": "rundir",
+}
 
 __all__ = [
     "DdpnbError",
@@ -28,3 +47,24 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'ddpnb' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; never runs
+    from .cluster import node_commands, slurm_script
+    from .data import inspect_dataset, prepare_digits
+    from .launch import Job, launch, train_single
+    from .metrics import load_metrics
+    from .plot import plot_curves, plot_scaling, plot_throughput
+    from .rundir import write_worker

@@ -15,8 +15,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from .constants import PITFALL_SWITCHES
 from .errors import ConfigError
-from .worker import PITFALL_SWITCHES
 
 Backend = Literal["auto", "gloo", "nccl"]
 Augment = Literal["auto", "digits", "photo", "none"]

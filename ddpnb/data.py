@@ -10,8 +10,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from .constants import IMAGE_EXTENSIONS, dataset_files, dataset_fingerprint
 from .errors import DatasetError
-from .worker import IMAGE_EXTENSIONS, dataset_files, dataset_fingerprint
 
 SPLITS = ("train", "val")
 MANIFEST = "manifest.json"

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 from .config import TrainConfig
+from .constants import RESUMABLE_KEYS
 from .errors import RunDirError
-from .worker import RESUMABLE_KEYS
 
 WORKER_NAME = "train_ddp.py"
 # Everything a run writes; overwrite=True removes exactly these and nothing else.
