@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 from .config import TrainConfig
 from .errors import DdpnbError, WorkerFailed
 
+# Eager, and light (stdlib only): the function must shadow its module's name, which
+# any ``import ddpnb.launch`` would otherwise bind on the package.
+from .launch import Job, launch, train_single
+
 # public name -> the module that defines it (imported on first access)
 _LAZY = {
-    "Job": "launch",
-    "launch": "launch",
-    "train_single": "launch",
     "inspect_dataset": "data",
     "prepare_digits": "data",
     "load_metrics": "metrics",
@@ -64,7 +65,6 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs; never runs
     from .cluster import node_commands, slurm_script
     from .data import inspect_dataset, prepare_digits
-    from .launch import Job, launch, train_single
     from .metrics import load_metrics
     from .plot import plot_curves, plot_scaling, plot_throughput
     from .rundir import write_worker

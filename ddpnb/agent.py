@@ -8,6 +8,10 @@ torchrun starts it, then runs torchrun unchanged. Any other address (real nodes)
 runs plain torchrun: the store must be reachable over the network, which should be
 a trusted one.
 
+The agent also watches a lifeline: the read end of a pipe whose write end only the
+launcher (the notebook kernel or the CLI) holds. When the launcher ends, however it
+ends, the pipe reports EOF and the agent stops its workers and itself.
+
 ``python agent.py <torchrun options> train_ddp.py --config config.json``; run as a
 script by path (not ``-m ddpnb.agent``), so the agent process imports torch only.
 """
@@ -15,29 +19,116 @@ script by path (not ``-m ddpnb.agent``), so the agent process imports torch only
 from __future__ import annotations
 
 import ipaddress
+import os
+import signal
 import socket
 import sys
+import threading
+import time
+
+LIFELINE_ENV = "DDPNB_LIFELINE_FD"  # the read end of the launcher's pipe, in the agent
+LIFELINE_GRACE_SECONDS = 5.0
 
 _held: list[socket.socket] = []  # listening sockets handed to the store: keep them open
 
 
-def loopback_master_addr(argv: list[str]) -> str | None:
-    """The rendezvous host of torchrun's argv if it is a loopback IP address, else None.
+def is_loopback(host: str) -> bool:
+    """True if ``host`` names this machine only: a loopback IP, or a name resolving to loopback.
 
-    >>> loopback_master_addr(["--master_addr=127.0.0.1", "--master_port=29500"])
+    The one predicate the launcher and the agent share (``localhost``, ``127.0.0.0/8``,
+    ``::1``, and names such as ``ip6-localhost`` whose every address is loopback).
+
+    >>> is_loopback("localhost"), is_loopback("127.0.0.2"), is_loopback("10.0.0.1")
+    (True, True, False)
+    """
+    return loopback_bind_address(host) is not None
+
+
+def loopback_bind_address(host: str) -> str | None:
+    """The loopback IP to bind for ``host``, or None if ``host`` is not loopback only.
+
+    >>> loopback_bind_address("localhost")
+    '127.0.0.1'
+    """
+    host = host.strip("[]")
+    try:
+        return host if ipaddress.ip_address(host).is_loopback else None
+    except ValueError:
+        pass
+    if host.lower() in ("localhost", "localhost.localdomain") or host.endswith(".localhost"):
+        return "127.0.0.1"  # RFC 6761: always loopback, whatever the resolver says
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return None
+    addrs = [info[4][0] for info in infos]
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        return None
+    # Prefer IPv4: clients try each address of the name, and 127.0.0.1 is always there.
+    return next((a for a in addrs if ":" not in a), addrs[0])
+
+
+def loopback_master_addr(argv: list[str]) -> str | None:
+    """The address to bind the store to if torchrun's rendezvous host is loopback, else None.
+
+    >>> loopback_master_addr(["--master_addr=localhost", "--master_port=29500"])
     '127.0.0.1'
     """
     for arg in argv:
         key, _, value = arg.partition("=")
         if key == "--rdzv_endpoint":
-            value = value.rsplit(":", 1)[0].strip("[]")
+            value = value.rsplit(":", 1)[0]
         elif key != "--master_addr":
             continue
-        try:
-            return value if ipaddress.ip_address(value).is_loopback else None
-        except ValueError:
-            return None
+        return loopback_bind_address(value)
     return None
+
+
+def watch_lifeline(fd: int, grace: float = LIFELINE_GRACE_SECONDS) -> threading.Thread:
+    """End this agent and its workers when the launcher's end of pipe ``fd`` closes.
+
+    Only the launcher holds the write end, so the read returns EOF however the
+    launcher ends (exit, crash, SIGKILL, kernel restart): no cleanup code of its
+    has to run. SIGTERM lets torchrun stop its workers; if they are not gone within
+    ``grace`` seconds they and the agent are killed.
+    """
+
+    def watch() -> None:
+        while os.read(fd, 1):  # the launcher never writes; only EOF wakes us
+            pass
+        print("ddpnb agent: the launcher is gone; stopping this node.", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        for pid in descendants(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        os._exit(143)
+
+    thread = threading.Thread(target=watch, name="ddpnb-lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def descendants(pid: int) -> list[int]:
+    """Processes below ``pid`` (Linux /proc; elsewhere the workers notice the agent is gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def bind_store_to(host: str) -> None:
@@ -65,6 +156,9 @@ def bind_store_to(host: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    fd = os.environ.pop(LIFELINE_ENV, None)  # popped: the workers must not see it
+    if fd is not None:
+        watch_lifeline(int(fd))
     host = loopback_master_addr(argv)
     if host is not None:
         bind_store_to(host)

@@ -8,7 +8,6 @@ files the workers write.
 from __future__ import annotations
 
 import atexit
-import ipaddress
 import json
 import os
 import re
@@ -24,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .agent import LIFELINE_ENV, descendants, loopback_bind_address
 from .config import PITFALL_SWITCHES, TrainConfig
 from .data import require_valid_dataset
 from .errors import (
@@ -130,15 +130,6 @@ def check_batch_size(config: TrainConfig, train_size: int, world_size: int) -> N
         )
 
 
-def is_loopback(addr: str) -> bool:
-    if addr == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return False
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on now."""
     with socket.socket() as s:
@@ -205,31 +196,6 @@ def torchrun_args(
 # -- the running job ------------------------------------------------------------------
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below pid (Linux /proc; empty elsewhere)."""
-    children = _children_map()
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -243,6 +209,33 @@ def _alive(pid: int) -> bool:
 
 
 _live_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
+_lifelines: set[int] = set()  # write ends held by this process, one per running job
+
+
+def _open_lifeline() -> tuple[int, int]:
+    """A pipe (read, write): the agents get the read end, only this process the write end.
+
+    Both ends are non-inheritable, so no other child of this process holds the write
+    end; a forked child closes its copies, so it cannot keep a run alive either.
+    """
+    if not _lifelines:
+        os.register_at_fork(after_in_child=_close_lifelines_in_child)
+    read_fd, write_fd = os.pipe()
+    _lifelines.add(write_fd)
+    return read_fd, write_fd
+
+
+def _close_lifeline(fd: int) -> None:
+    _lifelines.discard(fd)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _close_lifelines_in_child() -> None:
+    for fd in list(_lifelines):
+        _close_lifeline(fd)
 
 
 @atexit.register
@@ -272,6 +265,7 @@ class Job:
         rdzv_timeout: int,
         max_restarts: int,
         progress: str,
+        lifeline: int | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.config = config
@@ -289,6 +283,7 @@ class Job:
         self.ended_at: float | None = None
         self.error: BaseException | None = None
         self._known_pids: set[int] = set()
+        self._lifeline = lifeline  # write end of the pipe the agents watch
         _live_jobs.add(self)
 
     # -- state -------------------------------------------------------------------
@@ -372,7 +367,13 @@ class Job:
                 pass
         if self.ended_at is None:
             self.ended_at = time.time()
+        self._cut_lifeline()
         _live_jobs.discard(self)
+
+    def _cut_lifeline(self) -> None:
+        if self._lifeline is not None:
+            _close_lifeline(self._lifeline)
+            self._lifeline = None
 
     def wait(self, timeout: float | None = None) -> Job:
         """Follow the run to its end, showing progress; return self.
@@ -411,6 +412,7 @@ class Job:
             print(f"Interrupted: stopped every process of the run in {self.run_dir}.")
             raise
         self.ended_at = self.ended_at or time.time()
+        self._cut_lifeline()
         _live_jobs.discard(self)
         display.close(self)
         if self.error:
@@ -633,10 +635,11 @@ def launch(
     world_size = nnodes * nproc_per_node
     check_batch_size(config, summary.split_size("train"), world_size)
     check_model(config)
+    bind_host = loopback_bind_address(master_addr) or ""  # "": every interface, as the store
     if master_port is None:
-        master_port = free_port(master_addr if is_loopback(master_addr) else "")
+        master_port = free_port(bind_host)
     elif 0 in nodes:
-        check_port_free(master_addr if is_loopback(master_addr) else "", master_port)
+        check_port_free(bind_host, master_port)
     run_dir = prepare_run_dir(config, run_dir, resume=resume, overwrite=overwrite).resolve()
     warn_if_cuda_initialised()
 
@@ -659,6 +662,10 @@ def launch(
     warn_pitfalls(config)
     procs: dict[int, subprocess.Popen] = {}
     log_paths: dict[int, Path] = {}
+    # The run's lifetime is tied to this process: when it ends, however it ends, the
+    # pipe's write end closes and every agent stops its node (see agent.watch_lifeline).
+    lifeline_read, lifeline = _open_lifeline()
+    child_env[LIFELINE_ENV] = str(lifeline_read)
     logger.info(
         "launching %d node(s) x %d process(es); node 0 is the master and hosts the rendezvous at %s:%d",
         nnodes,
@@ -697,11 +704,15 @@ def launch(
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: we stop it as a whole
+                    pass_fds=(lifeline_read,),
                 )
     except OSError as e:
         for p in procs.values():
             os.killpg(p.pid, signal.SIGKILL)
+        _close_lifeline(lifeline)
         raise LaunchError(f"Could not start torchrun: {e}") from e
+    finally:
+        os.close(lifeline_read)  # the agents hold it now
     job = Job(
         run_dir,
         config,
@@ -714,6 +725,7 @@ def launch(
         rdzv_timeout=rdzv_timeout,
         max_restarts=max_restarts,
         progress=progress,
+        lifeline=lifeline,
     )
     return job.wait() if wait else job
 

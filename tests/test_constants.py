@@ -37,6 +37,11 @@ def test_import_ddpnb_does_not_import_torch_or_matplotlib():
 def test_public_names_are_all_lazy_or_eager():
     import ddpnb
 
-    eager = {"DdpnbError", "TrainConfig", "WorkerFailed"}
+    eager = {"DdpnbError", "Job", "TrainConfig", "WorkerFailed", "launch", "train_single"}
     assert set(ddpnb.__all__) == eager | set(ddpnb._LAZY)
     assert ddpnb.__all__ == sorted(ddpnb.__all__)
+
+
+def test_the_launch_function_survives_importing_its_module():
+    code = "import ddpnb, ddpnb.launch; assert callable(ddpnb.launch), ddpnb.launch"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -223,9 +223,16 @@ def _listening(pids: list[int]) -> list[str]:
     return out
 
 
-def test_simulated_nodes_listen_on_loopback_only(tiny_data, tmp_path):
+@pytest.mark.parametrize("master_addr", ["127.0.0.1", "localhost"])
+def test_simulated_nodes_listen_on_loopback_only(tiny_data, tmp_path, master_addr):
+    # "localhost" is loopback too: its store must not listen on every interface.
     job = ddpnb.launch(
-        tiny_config(tiny_data, epochs=30), tmp_path / "r", nnodes=2, wait=False, progress="none"
+        tiny_config(tiny_data, epochs=30),
+        tmp_path / "r",
+        nnodes=2,
+        master_addr=master_addr,
+        wait=False,
+        progress="none",
     )
     try:
         deadline = time.time() + 60

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import nbformat
 
+from ddpnb.agent import descendants
 from ddpnb.launch import _alive as alive
-from ddpnb.launch import descendants, free_port
+from ddpnb.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
