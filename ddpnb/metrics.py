@@ -20,6 +20,9 @@ class RunMetrics:
     epochs: list[dict]
     ranks: dict[int, list[dict]]
     config: dict
+    # effective_config.json: the config with what "auto" resolved to on this run
+    # (augment and its reason, backend, world size, threads, pipeline...); {} before.
+    effective: dict = dataclasses.field(default_factory=dict)
 
     @property
     def final(self) -> dict:
@@ -65,13 +68,23 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     ranks: dict[int, list[dict]] = {}
     for path in sorted((run_dir / "ranks").glob("rank-*.jsonl")):
         ranks[int(path.stem.split("-")[1])] = read_jsonl(path)
-    try:
-        config = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
+    config, effective = (_read_json(run_dir / n) for n in ("config.json", "effective_config.json"))
     return RunMetrics(
-        run_dir, read_jsonl(run_dir / "metrics.jsonl"), dict(sorted(ranks.items())), config
+        run_dir,
+        read_jsonl(run_dir / "metrics.jsonl"),
+        dict(sorted(ranks.items())),
+        config,
+        effective,
     )
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from a file, or ``{}`` when it is missing or unreadable."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def read_progress(run_dir: str | os.PathLike) -> dict:

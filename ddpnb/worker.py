@@ -382,14 +382,62 @@ def timed_comm_hook(compression: str, shared: SharedMemoryAllReduce | None = Non
     return hook
 
 
-def resolve_augment(cfg: dict, data_dir: Path) -> str:
+# Photo-style augmentation (crops down to 8% of the area, mirror images) suits colour
+# photographs; on small grayscale images such as digits it costs accuracy. ``auto``
+# therefore picks "photo" only for images that look like photos.
+PHOTO_MIN_SIDE = 128  # px: the short side of a photo-like image
+AUGMENT_SAMPLES = 8  # train images looked at by augment="auto"
+
+
+def sample_images(split_dir: Path, count: int) -> list[Path]:
+    """Up to ``count`` image files of a split, spread over its classes."""
+    classes = sorted(d for d in split_dir.iterdir() if d.is_dir()) if split_dir.is_dir() else []
+    per_class = [
+        sorted(p for p in d.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS) for d in classes
+    ]
+    chosen: list[Path] = []
+    depth = 0
+    while len(chosen) < count and any(len(files) > depth for files in per_class):
+        chosen += [files[depth] for files in per_class if len(files) > depth]
+        depth += 1
+    return chosen[:count]
+
+
+def resolve_augment(cfg: dict, data_dir: Path) -> tuple[str, str]:
+    """The augmentation to train with, and a one-line reason for the choice.
+
+    ``auto`` is "digits" for ddpnb's prepared digits, "photo" for colour images whose
+    short side is at least PHOTO_MIN_SIDE, and "none" for everything else.
+    """
     if cfg["augment"] != "auto":
-        return cfg["augment"]
+        return cfg["augment"], f"{cfg['augment']}: set in the config"
     try:
         source = json.loads((data_dir / "manifest.json").read_text()).get("source")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         source = None
-    return "digits" if source == "digits" else "photo"
+    if source == "digits":
+        return "digits", "auto -> digits: ddpnb's prepared digits (manifest source 'digits')"
+    colour, sides, sizes = 0, [], set()
+    for path in sample_images(data_dir / "train", AUGMENT_SAMPLES):
+        try:
+            img = load_image(str(path))  # RGB; a grayscale file has three equal channels
+        except ValueError:
+            continue
+        sides.append(min(img.size))
+        sizes.add(f"{img.size[0]}x{img.size[1]}")
+        img.thumbnail((64, 64))
+        x = transforms.functional.pil_to_tensor(img).float()
+        if (x.amax(0) - x.amin(0)).mean().item() > 2.0:  # channels differ: colour
+            colour += 1
+    if not sides:
+        return "none", "auto -> none: no sample image could be read; set augment='photo' to opt in"
+    is_colour = colour * 2 > len(sides)
+    side = sorted(sides)[len(sides) // 2]
+    size = sizes.pop() if len(sizes) == 1 else f"{min(sides)}-{max(sides)} px (short side)"
+    kind = f"{'colour' if is_colour else 'grayscale'} {size} images"
+    if is_colour and side >= PHOTO_MIN_SIDE:
+        return "photo", f"auto -> photo: {kind}, photo-like; set augment='none' to opt out"
+    return "none", f"auto -> none: {kind}, not photo-like; set augment='photo' to opt in"
 
 
 def loader_transforms(augment: str, size: int) -> tuple[transforms.Compose, transforms.Compose]:
@@ -620,7 +668,9 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_bytes(progress_path, json.dumps(joined).encode())
 
     # -- data -----------------------------------------------------------------------
-    augment = resolve_augment(cfg, data_dir)
+    augment, augment_reason = resolve_augment(cfg, data_dir)
+    if master_process:
+        log(f"augment {augment_reason}")
     size = cfg["image_size"]
     train_tf, val_tf = loader_transforms(augment, size)
     train_set = torchvision.datasets.ImageFolder(
@@ -701,6 +751,7 @@ def main(argv: list[str] | None = None) -> None:
     model, weights_note = build_model(cfg, num_classes)
     model = model.to(device, memory_format=memory_format)
     comm = {"blocked": 0.0, "returned": None}  # the comm hook's timing of each step
+    gradients = "none (one process)"
     # One process has nobody to average gradients with: DDP would only add its bucket
     # copies and an all-reduce with itself (about 10% of a 1-process epoch, measured).
     if world_size > 1:
@@ -725,9 +776,9 @@ def main(argv: list[str] | None = None) -> None:
                 )
         compression = cfg["comm_hook"] if cfg["comm_hook"] in ("bf16", "fp16") else "none"
         model.register_comm_hook(comm, timed_comm_hook(compression, shared))
+        gradients = "shared memory" if shared else f"{backend} all-reduce ({compression})"
         if master_process:
-            how = "shared memory" if shared else f"{backend} all-reduce ({compression})"
-            log(f"gradients are averaged through {how}")
+            log(f"gradients are averaged through {gradients}")
     raw_model = model.module if isinstance(model, DDP) else model
     optimizer = make_sgd(model.parameters(), cfg)
     total_steps = cfg["epochs"] * steps_per_epoch
@@ -783,6 +834,28 @@ def main(argv: list[str] | None = None) -> None:
             f"{cfg['model']} ({weights_note}), {num_classes} classes, augment {augment}, "
             f"pipeline {pipeline}, {steps_per_epoch} steps/epoch, global batch "
             f"{batch_size * world_size}"
+        )
+        # What "auto" and the defaults became on this run, next to config.json.
+        effective = {
+            **cfg,
+            "augment": augment,
+            "augment_requested": cfg["augment"],
+            "augment_reason": augment_reason,
+            "backend": backend if distributed else "none",
+            "device": str(device),
+            "world_size": world_size,
+            "local_world_size": local_world_size,
+            "threads": torch.get_num_threads(),  # per process (rank 0's)
+            "pipeline": pipeline,
+            "gradients": gradients,
+            "num_classes": num_classes,
+            "steps_per_epoch": steps_per_epoch,
+            "global_batch_size": batch_size * world_size,
+            "weights_note": weights_note,
+            "restart_count": restart_count,
+        }
+        atomic_write_bytes(
+            run_dir / "effective_config.json", (json.dumps(effective, indent=2) + "\n").encode()
         )
 
     # -- training ------------------------------------------------------------------
