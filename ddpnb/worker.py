@@ -42,6 +42,7 @@ import ctypes
 import datetime
 import errno
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -440,6 +441,18 @@ def resolve_augment(cfg: dict, data_dir: Path) -> tuple[str, str]:
     return "none", f"auto -> none: {kind}, not photo-like; set augment='photo' to opt in"
 
 
+def no_forward_buffer_sync() -> dict:
+    """DDP's keyword for "do not broadcast buffers before every forward".
+
+    torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (the old name
+    warns on every rank). The new flag still syncs buffers once at construction, which
+    changes nothing here: every rank builds the same model from the same seed.
+    """
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def loader_transforms(augment: str, size: int) -> tuple[transforms.Compose, transforms.Compose]:
     """The classic per-sample torchvision pipelines (train, val)."""
     tail = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
@@ -763,7 +776,7 @@ def main(argv: list[str] | None = None) -> None:
             # Rank 0's BatchNorm statistics are sent once per epoch (sync_buffers), not
             # before every forward: training never reads them, and a per-step broadcast
             # is one more point where every rank waits for the slowest.
-            broadcast_buffers=False,
+            **no_forward_buffer_sync(),
         )
         shared = None
         if cfg["comm_hook"] in ("auto", "shm") and backend == "gloo":

@@ -56,17 +56,19 @@ def test_digits_manifest_and_explicit_choice(tmp_path):
 
 
 @pytest.mark.slow
-def test_unknown_grayscale_digits_train_without_photo_crops(data_copy, tmp_path):
+def test_unknown_grayscale_digits_train_without_photo_crops_or_warnings(data_copy, tmp_path):
     # The user's own grayscale digits: no manifest from prepare_digits.
     (data_copy / "manifest.json").unlink(missing_ok=True)
     cfg = tiny_config(data_copy, epochs=1, max_steps_per_epoch=2)
-    job = ddpnb.train_single(cfg, tmp_path / "run", progress="none")
+    job = ddpnb.launch(cfg, tmp_path / "run", nnodes=1, nproc_per_node=2, progress="none")
+    log = (job.run_dir / "logs" / "node-0.log").read_text()
     line = "augment auto -> none: grayscale 16x16 images, not photo-like; set augment='photo'"
-    assert line in (job.run_dir / "logs" / "node-0.log").read_text()
+    assert log.count(line) == 1  # rank 0 only
+    assert "Warning" not in log  # e.g. DDP's deprecated broadcast_buffers, once per rank
     effective = json.loads((job.run_dir / "effective_config.json").read_text())
     assert job.metrics.effective == effective
     assert effective["augment"] == "none" and effective["augment_requested"] == "auto"
     assert effective["augment_reason"].startswith("auto -> none: grayscale 16x16")
-    assert effective["world_size"] == 1 and effective["threads"] >= 1
+    assert effective["world_size"] == 2 and effective["threads"] >= 1
     assert effective["pipeline"] == "memory" and effective["backend"] == "gloo"
     assert effective["lr"] == cfg.lr  # the config itself is in there too
