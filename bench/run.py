@@ -30,8 +30,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 import ddpnb  # noqa: E402
-from ddpnb.launch import free_port  # noqa: E402
 from ddpnb.metrics import read_progress  # noqa: E402
+from ddpnb.preflight import free_port  # noqa: E402
 
 REFERENCE = HERE / "reference_ddp.py"
 # The 2-core ceiling measured when the issue was written: one process, no DDP, both

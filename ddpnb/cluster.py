@@ -13,8 +13,9 @@ from typing import Any
 
 from .config import TrainConfig
 from .errors import ConfigError
-from .launch import _positive_int, as_config, torchrun_args
+from .preflight import as_config
 from .rundir import WORKER_NAME
+from .topology import Topology
 
 FINGERPRINT_NOTE = (
     "# Every node must hold the identical dataset at data_dir (copy it with rsync -a, or use a\n"
@@ -59,8 +60,8 @@ def node_commands(
     hosts = list(hosts)
     if not hosts or not all(isinstance(h, str) and h for h in hosts):
         raise ConfigError("hosts must be a non-empty list of host names or addresses.")
-    _positive_int("nproc_per_node", nproc_per_node)
     nnodes = len(hosts)
+    topology = Topology(nnodes, nproc_per_node, hosts[0], master_port, rdzv_timeout, max_restarts)
     if node_rank is not None and not (isinstance(node_rank, int) and 0 <= node_rank < nnodes):
         raise ConfigError(
             f"node_rank must be in 0..{nnodes - 1} (node_rank < nnodes = len(hosts)), got {node_rank!r}."
@@ -78,15 +79,7 @@ def node_commands(
     lines = []
     for rank, _host in enumerate(hosts):
         if rendezvous == "static":
-            opts = torchrun_args(
-                nnodes=nnodes,
-                node_rank=rank,
-                nproc_per_node=nproc_per_node,
-                master_addr=hosts[0],
-                master_port=master_port,
-                max_restarts=max_restarts,
-                rdzv_timeout=rdzv_timeout,
-            )
+            opts = topology.torchrun_args(rank)
         else:
             opts = [
                 f"--nnodes={nnodes}",
@@ -132,20 +125,20 @@ def slurm_script(
     True
     """
     as_config(config)
-    _positive_int("nnodes", nnodes)
-    _positive_int("nproc_per_node", nproc_per_node)
+    # The head node's address is known only inside the allocation: a placeholder here.
+    topology = Topology(nnodes, nproc_per_node, "$head_node", master_port)
     run_dir = Path(run_dir)
     gpus = f"#SBATCH --gpus-per-node={gpus_per_node}\n" if gpus_per_node else ""
     worker = shlex.quote(str(run_dir / WORKER_NAME))
     cfg = shlex.quote(str(run_dir / "config.json"))
     text = f"""#!/bin/bash
 #SBATCH --job-name={job_name}
-#SBATCH --nodes={nnodes}
+#SBATCH --nodes={topology.nnodes}
 #SBATCH --ntasks-per-node=1
 #SBATCH --time={time_limit}
 #SBATCH --output=%x-%j.out
 {gpus}
-# One torchrun agent per node (ntasks-per-node=1); each starts {nproc_per_node} worker(s).
+# One torchrun agent per node (ntasks-per-node=1); each starts {topology.nproc_per_node} worker(s).
 # The first node of the allocation hosts the c10d rendezvous.
 {FINGERPRINT_NOTE}
 set -euo pipefail
@@ -154,11 +147,11 @@ mkdir -p {shlex.quote(str(run_dir))}/logs
 
 srun torchrun \\
     --nnodes "$SLURM_NNODES" \\
-    --nproc_per_node {nproc_per_node} \\
+    --nproc_per_node {topology.nproc_per_node} \\
     --rdzv_backend c10d \\
-    --rdzv_endpoint "$head_node:{master_port}" \\
+    --rdzv_endpoint "{topology.master_addr}:{topology.master_port}" \\
     --rdzv_id "$SLURM_JOB_ID" \\
-    --max_restarts 0 \\
+    --max_restarts {topology.max_restarts} \\
     {worker} --config {cfg}
 """
     if path is not None:

@@ -25,6 +25,21 @@ CommHook = Literal["auto", "shm", "none", "bf16", "fp16"]
 LrSchedule = Literal["cosine", "constant"]
 
 
+def check_int(name: str, value: object, low: int = 1, high: int | None = None) -> int:
+    """``value`` if it is an int in ``low..high``, else a ConfigError naming ``name``.
+
+    The one integer check of the package (config fields, launch arguments, ports).
+
+    >>> check_int("nnodes", 2)
+    2
+    """
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if ok and (high is None or value <= high):
+        return value
+    bound = f">= {low}" if high is None else f"in {low}..{high}"
+    raise ConfigError(f"{name} must be an integer {bound}, got {value!r}.")
+
+
 def _default_num_workers() -> int:
     # DataLoader workers compete with compute for the same cores; on a small host
     # the in-memory pipeline needs none, so only big hosts get a few.
@@ -99,8 +114,7 @@ class TrainConfig:
         _check_types(self)
         positive = ["image_size", "epochs", "batch_size", "checkpoint_every", "timeout_seconds"]
         for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}.")
+            check_int(name, getattr(self, name))
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
             raise ConfigError("max_steps_per_epoch must be >= 1 or None.")
         if not self.lr > 0:
@@ -109,8 +123,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
         for name in ["num_workers", "threads", "seed"]:
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
+            check_int(name, getattr(self, name), low=0)
         if self.bucket_cap_mb < 1:
             raise ConfigError("bucket_cap_mb must be >= 1.")
         if self.comm_hook == "shm" and self.backend == "nccl":

@@ -56,3 +56,9 @@ def dataset_fingerprint(root: str | os.PathLike) -> str:
                 digest.update(block)
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def threads_for_host(procs_on_host: int) -> int:
+    # Each process gets its share of the host's cores: N simulated nodes x P processes
+    # with default threads each would oversubscribe the cores (8x slower measured).
+    return max(1, (os.cpu_count() or 1) // max(1, procs_on_host))

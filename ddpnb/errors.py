@@ -27,11 +27,13 @@ class LaunchError(DdpnbError):
     """A run could not be started or stopped as asked."""
 
 
-class WorkerFailed(DdpnbError):
-    """A worker process of the run failed.
+class RunFailed(DdpnbError):
+    """A launched run ended without finishing: the base of the run failures below.
 
     Attributes
     ----------
+    host:
+        The host of the failing node (``None`` where unknown or on this machine).
     node_rank, global_rank, exit_code:
         Where the first failure happened and how the process ended (``None`` where unknown).
     traceback:
@@ -44,12 +46,14 @@ class WorkerFailed(DdpnbError):
         self,
         message: str,
         *,
+        host: str | None = None,
         node_rank: int | None = None,
         global_rank: int | None = None,
         exit_code: int | None = None,
         traceback: str = "",
         log_tail: str = "",
     ) -> None:
+        self.host = host
         self.node_rank = node_rank
         self.global_rank = global_rank
         self.exit_code = exit_code
@@ -63,11 +67,19 @@ class WorkerFailed(DdpnbError):
         super().__init__("\n\n".join(parts))
 
 
-class RendezvousTimeout(WorkerFailed):
-    """Not every node joined the rendezvous (or answered a collective) in time."""
+class WorkerFailed(RunFailed):
+    """A worker process of the run failed (raised, or exited non-zero)."""
 
 
-class NodeLost(WorkerFailed):
+class RendezvousTimeout(RunFailed):
+    """Not every node joined the rendezvous in time."""
+
+
+class RunStalled(RunFailed):
+    """The run had started, then stopped making progress (a rank or node stopped answering)."""
+
+
+class NodeLost(RunFailed):
     """A node stopped answering (its agent killed, its host down, or the network cut).
 
     ``node_rank`` names the node believed lost, or is ``None`` where it cannot be told.

@@ -6,12 +6,30 @@ import io
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
-from .metrics import read_jsonl, read_progress
+from .metrics import RunMetrics, read_jsonl, read_progress
 
-if TYPE_CHECKING:
-    from .launch import Job
+
+class Job(Protocol):
+    """What a display reads of a running job (``ddpnb.Job`` has it): no import of launch."""
+
+    run_dir: Path
+    config: Any
+    error: BaseException | None
+    started_at: float
+    ended_at: float | None
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def metrics(self) -> RunMetrics: ...
+
+    def node_status(self) -> dict[int, str]: ...
 
 PLOT_INTERVAL = 1.0  # seconds between live-plot redraws at most
 STATUS_COLORS = {

@@ -7,7 +7,7 @@ from conftest import tiny_config
 
 import ddpnb
 from ddpnb.errors import ConfigError
-from ddpnb.launch import free_port
+from ddpnb.preflight import free_port
 
 
 def test_static_node_commands():

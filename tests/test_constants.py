@@ -17,7 +17,7 @@ def test_worker_constants_match_the_package():
 
 
 def test_worker_fingerprint_is_the_same_code(tiny_data):
-    for name in ["dataset_files", "dataset_fingerprint"]:
+    for name in ["dataset_files", "dataset_fingerprint", "threads_for_host"]:
         assert inspect.getsource(getattr(worker, name)) == inspect.getsource(
             getattr(constants, name)
         ), name

@@ -14,7 +14,8 @@ import torch
 from conftest import tiny_config, tmpfs
 
 import ddpnb
-from ddpnb.launch import _alive, free_port
+from ddpnb.launch import _alive
+from ddpnb.preflight import free_port
 
 pytestmark = pytest.mark.slow
 DRILL = dict(epochs=3, threads=1)  # threads fixed: both runs compute in the same order

@@ -15,7 +15,8 @@ from conftest import tiny_config
 
 import ddpnb
 from ddpnb.errors import ConfigError, DatasetError, PortInUseError, RendezvousTimeout, RunDirError
-from ddpnb.launch import _alive, check_port_free
+from ddpnb.launch import _alive
+from ddpnb.preflight import check_port_free
 
 
 def _no_process_left(pids):

@@ -43,3 +43,24 @@ def test_public_api_is_small_and_declared():
 
     assert len(ddpnb.__all__) <= 16
     assert all(hasattr(ddpnb, n) for n in ddpnb.__all__)
+
+
+def test_no_import_cycles_in_the_package():
+    import ast
+
+    graph = {}
+    for f in (Path(__file__).parents[1] / "ddpnb").glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                deps.add(node.module.split(".")[0])
+        graph[f.stem] = deps
+
+    def reach(start, seen):
+        for dep in graph.get(start, ()):
+            assert dep != seen[0], f"import cycle: {' -> '.join([*seen, dep])}"
+            if dep not in seen:
+                reach(dep, [*seen, dep])
+
+    for module in graph:
+        reach(module, [module])

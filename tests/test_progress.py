@@ -8,6 +8,7 @@ from test_plot import _fake_run
 import ddpnb
 from ddpnb.launch import Job
 from ddpnb.progress import TextProgress, WidgetProgress, is_jupyter_server
+from ddpnb.topology import Topology
 
 
 def _job(run_dir, nnodes=4):
@@ -21,13 +22,7 @@ def _job(run_dir, nnodes=4):
         run_dir,
         ddpnb.TrainConfig(epochs=4),
         procs,
-        {},
-        nnodes=nnodes,
-        nproc_per_node=1,
-        master_addr="127.0.0.1",
-        master_port=1234,
-        rdzv_timeout=5,
-        max_restarts=0,
+        Topology(nnodes, 1, "127.0.0.1", 1234, rdzv_timeout=5),
         progress="widgets",
     )
 

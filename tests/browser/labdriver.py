@@ -21,7 +21,7 @@ import nbformat
 
 from ddpnb.agent import descendants
 from ddpnb.launch import _alive as alive
-from ddpnb.launch import free_port
+from ddpnb.preflight import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"

@@ -1,0 +1,231 @@
+"""From what a run left on disk to a typed error: which node, which rank, and why.
+
+Pure functions of run-directory files (torchrun's ``error.json`` files, the node
+logs, ``progress.json``, the checkpoint) and the agents' exit codes, so every
+diagnosis can be tested on fixture files without starting a process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import NodeLost, RendezvousTimeout, RunFailed, RunStalled, WorkerFailed
+from .metrics import load_metrics, read_progress
+from .topology import Topology
+
+# Messages of ranks that failed only because a peer died first.
+SECONDARY_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",  # gloo: a peer did not answer within timeout_seconds
+    "this node is lost",  # the worker of a killed agent stopping itself
+)
+# How long past its own limits a silent run may stay silent before it is called stuck.
+GRACE_SECONDS = 30
+
+
+def log_tail(run_dir: Path, node: int, lines: int = 20) -> str:
+    """The last ``lines`` lines of a node's log in ``run_dir/logs``."""
+    try:
+        text = (Path(run_dir) / "logs" / f"node-{node}.log").read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def read_error_file(path: Path) -> dict | None:
+    """torchrun's ``error.json`` (written by ``@record``) as message, traceback, timestamp."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    msg = data.get("message", {})
+    if isinstance(msg, str):
+        return {"message": msg, "traceback": "", "timestamp": 0}
+    extra = msg.get("extraInfo", {})
+    return {
+        "message": msg.get("message", "").strip(),
+        "traceback": extra.get("py_callstack", ""),
+        "timestamp": int(extra.get("timestamp", 0) or 0),
+    }
+
+
+def first_failed_rank(text: str) -> int | None:
+    """The first failed global rank in torchrun's failure summary, if any."""
+    m = re.search(r"^\s*rank\s*:\s*(\d+) \(local_rank", text, re.M)
+    return int(m.group(1)) if m else None
+
+
+def worker_exit_code(text: str, rank: int | None) -> int | None:
+    """A rank's exit code from torchrun's failure summary (the first rank's if None)."""
+    # "rank : 1 (local_rank: 0)" then "exitcode : 1 (pid: ...)".
+    pattern = r"^\s*rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)"
+    for m in re.finditer(pattern, text, re.M):
+        if rank is None or int(m.group(1)) == rank:
+            return int(m.group(2))
+    return None
+
+
+def worker_errors(run_dir: Path, nodes: Sequence[int], nproc_per_node: int) -> list:
+    """Every worker error file: ((secondary, mtime), node, global_rank, info), root cause first."""
+    errors = []
+    for node in nodes:
+        for path in (Path(run_dir) / "logs" / f"node-{node}").glob("*/attempt_*/*/error.json"):
+            info = read_error_file(path)
+            if info:
+                rank = node * nproc_per_node + int(path.parent.name)
+                secondary = any(w in info["message"] for w in SECONDARY_ERRORS)
+                errors.append(((secondary, path.stat().st_mtime), node, rank, info))
+    return sorted(errors, key=lambda e: e[0])
+
+
+def resume_hint(run_dir: Path) -> str:
+    """How to continue, when the run has a checkpoint to continue from."""
+    last = Path(run_dir) / "checkpoints" / "last.pt"
+    if not last.exists():
+        return ""
+    done = len(load_metrics(run_dir).epochs)
+    return (
+        f" The checkpoint {last} holds the finished epochs ({done} recorded): relaunch "
+        "with resume=True to continue from it."
+    )
+
+
+def missing_nodes_hint(topology: Topology, local_nodes: Sequence[int]) -> str:
+    missing = [n for n in range(topology.nnodes) if n not in local_nodes]
+    if not missing:
+        return ""
+    return (
+        f" Nodes {missing} are not started by this launch: run their commands "
+        "(ddpnb.node_commands) on their hosts."
+    )
+
+
+def check_stalled(
+    run_dir: Path,
+    topology: Topology,
+    local_nodes: Sequence[int],
+    started_at: float,
+    timeout_seconds: int,
+    now: float | None = None,
+) -> RunFailed | None:
+    """RendezvousTimeout if the nodes never all joined; RunStalled if progress stopped."""
+    progress = read_progress(run_dir)
+    now = time.time() if now is None else now
+    if not progress or progress.get("time", 0) < started_at:
+        limit = topology.rdzv_timeout + GRACE_SECONDS
+        if now - started_at <= limit:
+            return None
+        return RendezvousTimeout(
+            f"The rendezvous at {topology.master_addr}:{topology.master_port} did not complete "
+            f"within {limit} s: not all {topology.nnodes} nodes joined."
+            f"{missing_nodes_hint(topology, local_nodes)} Check that every node can reach "
+            "master_addr:master_port and uses the same --nnodes.",
+            log_tail=log_tail(run_dir, 0),
+        )
+    quiet = now - progress.get("time", now)
+    limit = timeout_seconds + GRACE_SECONDS
+    if progress.get("phase") == "done" or quiet <= limit:
+        return None
+    return RunStalled(
+        f"Rank 0 has reported no progress for {quiet:.0f} s (limit: timeout_seconds + "
+        f"{GRACE_SECONDS} = {limit} s): a node or rank stopped answering. See the node logs "
+        f"in {Path(run_dir) / 'logs'}.{resume_hint(run_dir)}",
+        log_tail=log_tail(run_dir, 0),
+    )
+
+
+def lost_node(
+    run_dir: Path,
+    topology: Topology,
+    local_nodes: Sequence[int],
+    failed: dict[int, int],
+    errors: list,
+    started_at: float,
+) -> NodeLost | None:
+    """A NodeLost when no worker failed on its own: a peer vanished under them."""
+    if any(not secondary for (secondary, _), *_ in errors):
+        return None
+    if read_progress(run_dir).get("time", 0) < started_at:
+        return None  # the nodes never all joined: a rendezvous problem, not a lost node
+    killed = sorted(n for n, rc in failed.items() if rc < 0)  # agent ended by a signal
+    unwatched = [n for n in range(topology.nnodes) if n not in local_nodes]
+    suspects = killed or (unwatched if errors else [])
+    if not suspects:
+        return None
+    if killed:
+        sig = signal.Signals(-failed[killed[0]]).name
+        what = f"Node {killed[0]} was lost: its torchrun agent was killed ({sig})"
+    else:
+        what = "A node or rank stopped answering (crashed, killed, or the network was cut)"
+        if unwatched:
+            what += f"; nodes {unwatched} run elsewhere: check them first"
+    if errors:
+        _, node, rank, info = errors[0]
+        what += f". Worker global rank {rank} on node {node} saw: {info['message'].rstrip('.')}"
+    return NodeLost(
+        f"{what}. The other nodes were stopped.{resume_hint(run_dir)}",
+        node_rank=suspects[0] if len(suspects) == 1 else None,
+        log_tail=log_tail(run_dir, min(failed), 20),
+    )
+
+
+def diagnose_failure(
+    run_dir: Path,
+    topology: Topology,
+    local_nodes: Sequence[int],
+    failed: dict[int, int],
+    started_at: float,
+) -> RunFailed:
+    """The typed error for agents that exited non-zero (``failed``: node -> exit code).
+
+    The root cause comes first: peers that lost their connection to a dead rank fail
+    later and say so.
+    """
+    errors = worker_errors(run_dir, local_nodes, topology.nproc_per_node)
+    node = min(failed)
+    tail = log_tail(run_dir, node, 200)
+    lost = lost_node(run_dir, topology, local_nodes, failed, errors, started_at)
+    if lost is not None:
+        return lost
+    if errors:
+        _, node, rank, info = errors[0]
+        exit_code = worker_exit_code(log_tail(run_dir, node, 200), rank)
+        return WorkerFailed(
+            f"Worker global rank {rank} on node {node} failed (exit code {exit_code}): "
+            f"{info['message']}. The other nodes were stopped.",
+            node_rank=node,
+            global_rank=rank,
+            exit_code=exit_code,
+            traceback=info["traceback"],
+            log_tail=log_tail(run_dir, node),
+        )
+    joined = re.search(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+)", tail)
+    if joined or "RendezvousTimeoutError" in tail:
+        counted = f" ({joined.group(1)} of {joined.group(2)} nodes joined)" if joined else ""
+        return RendezvousTimeout(
+            f"The rendezvous at {topology.master_addr}:{topology.master_port} timed out after "
+            f"{topology.rdzv_timeout} s{counted}: not all {topology.nnodes} nodes joined."
+            f"{missing_nodes_hint(topology, local_nodes)} Check that every node can reach "
+            "master_addr:master_port and uses the same nnodes. The other nodes were stopped.",
+            node_rank=node,
+            exit_code=failed[node],
+            log_tail=log_tail(run_dir, node, 5),
+        )
+    rank = first_failed_rank(tail)
+    exit_code = worker_exit_code(tail, rank) if rank is not None else failed[node]
+    return WorkerFailed(
+        f"Node {node}'s torchrun exited with code {failed[node]}"
+        + (f" (worker global rank {rank}, exit code {exit_code})" if rank is not None else "")
+        + ". The other nodes were stopped.",
+        node_rank=node,
+        global_rank=rank,
+        exit_code=exit_code,
+        log_tail=log_tail(run_dir, node, 40),
+    )

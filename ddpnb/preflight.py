@@ -1,0 +1,183 @@
+"""Every check made before a process starts: config, dataset, model, ports, layout.
+
+A run that fails here has written nothing and started nothing; each error names the
+problem and the fix.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .agent import loopback_bind_address
+from .config import PITFALL_SWITCHES, TrainConfig, check_int
+from .data import require_valid_dataset
+from .errors import ConfigError, PortInUseError
+from .log import logger
+from .topology import Topology
+
+PROGRESS_MODES = ("auto", "widgets", "text", "none")
+
+
+def check_launch(
+    config: TrainConfig | Mapping[str, Any],
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    master_addr: str,
+    master_port: int | None,
+    max_restarts: int,
+    rdzv_timeout: int,
+    local_nodes: Iterable[int] | None,
+    progress: str,
+) -> tuple[TrainConfig, Topology, list[int]]:
+    """Check a launch; return the config (absolute data_dir), the topology, the local nodes.
+
+    A ``master_port`` of None becomes a free port; a given one must be free on node 0.
+
+    >>> check_launch(cfg, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",  # doctest: +SKIP
+    ...              master_port=None, max_restarts=0, rdzv_timeout=60, local_nodes=None,
+    ...              progress="none")
+    """
+    config = as_config(config)
+    # The port is checked below; a placeholder lets Topology check everything else first.
+    topology = Topology(nnodes, nproc_per_node, master_addr, 1, rdzv_timeout, max_restarts)
+    nodes = sorted(set(range(nnodes) if local_nodes is None else local_nodes))
+    for n in nodes:
+        if not isinstance(n, int) or not 0 <= n < nnodes:
+            raise ConfigError(f"node_rank {n!r} must be in 0..{nnodes - 1} (node_rank < nnodes).")
+    if progress not in PROGRESS_MODES:
+        raise ConfigError("progress must be 'auto', 'widgets', 'text' or 'none'.")
+    data_dir = Path(config.data_dir).resolve()
+    summary = require_valid_dataset(data_dir)
+    config = config.replace(data_dir=str(data_dir))
+    check_batch_size(config, summary.split_size("train"), topology.world_size)
+    check_model(config)
+    bind_host = loopback_bind_address(master_addr) or ""  # "": every interface, as the store
+    if master_port is None:
+        master_port = free_port(bind_host)
+    elif 0 in nodes:
+        check_port_free(bind_host, master_port)
+    topology = Topology(
+        nnodes, nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts
+    )
+    return config, topology, nodes
+
+
+def as_config(config: TrainConfig | Mapping[str, Any]) -> TrainConfig:
+    """Accept a TrainConfig or a plain dict of its fields."""
+    if isinstance(config, TrainConfig):
+        return config
+    if isinstance(config, Mapping):
+        return TrainConfig.from_dict(dict(config))
+    raise ConfigError(f"config must be a TrainConfig or a dict, got {type(config).__name__}.")
+
+
+def check_model(config: TrainConfig) -> None:
+    """Raise ConfigError for an unknown model name or unusable weights."""
+    import torchvision
+
+    known = torchvision.models.list_models(module=torchvision.models)
+    if config.model not in known:
+        close = [m for m in known if m.startswith(config.model[:4])][:8]
+        raise ConfigError(
+            f"Unknown model {config.model!r}. Use a torchvision classification model name"
+            + (f", e.g. {', '.join(close)}" if close else ", e.g. resnet18 or resnet50")
+            + " (see torchvision.models.list_models())."
+        )
+    if config.weights is None:
+        return
+    if config.weights == "DEFAULT":
+        _check_default_weights_reachable(config.model)
+        return
+    path = Path(config.weights)
+    if not path.is_file():
+        raise ConfigError(
+            f"weights file {config.weights!r} does not exist. Pass the path of a saved state dict "
+            "(torch.save(model.state_dict(), path)), weights='DEFAULT', or weights=None."
+        )
+    from .worker import read_state_dict
+
+    try:
+        read_state_dict(str(path))
+    except ValueError as e:
+        raise ConfigError(f"{e} Save it with torch.save(model.state_dict(), path).") from None
+
+
+def _check_default_weights_reachable(model: str) -> None:
+    import torch
+    import torchvision
+
+    weights = torchvision.models.get_model_weights(model).DEFAULT
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    if cached.exists():
+        return
+    host = re.sub(r"^https?://([^/]+)/.*$", r"\1", weights.url)
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as e:
+        raise ConfigError(
+            f"weights='DEFAULT' needs to download {weights.url}, but no network is available "
+            f"({e}). Pass weights=None to train from scratch, or the path of a local state-dict "
+            f"file (or place the file at {cached})."
+        ) from None
+
+
+def check_batch_size(config: TrainConfig, train_size: int, world_size: int) -> None:
+    shard = -(-train_size // world_size)
+    if config.batch_size > shard:
+        raise ConfigError(
+            f"batch_size={config.batch_size} per process is larger than each rank's shard of the "
+            f"train split ({train_size} images / world size {world_size} = {shard}). Use "
+            f"batch_size <= {shard}, or fewer processes."
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise PortInUseError if ``port`` cannot be bound on ``host``."""
+    check_int("master_port", port, low=1, high=65535)
+    with socket.socket() as s:
+        # SO_REUSEADDR as the TCPStore sets it: a port in TIME_WAIT is not busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUseError(
+                f"master_port {port} on {host} is already in use ({e.strerror}). Pass another "
+                "port, or master_port=None to pick a free one."
+            ) from None
+
+
+def warn_if_cuda_initialised() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        warnings.warn(
+            "This kernel has initialised CUDA. ddpnb's workers are separate processes and are "
+            "not affected, but the kernel holds GPU memory they may need: restart the kernel "
+            "and avoid touching CUDA in it before launching.",
+            stacklevel=3,
+        )
+
+
+def warn_pitfalls(config: TrainConfig) -> None:
+    """Log a loud warning for each pitfall switch turned off (see notebook 06)."""
+    for name in config.pitfalls_off:
+        logger.warning(
+            "PITFALL SWITCH OFF: %s=False (%s). This run reproduces the mistake on purpose; "
+            "leave %s=True for correct training.",
+            name,
+            PITFALL_SWITCHES[name],
+            name,
+        )
