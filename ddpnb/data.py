@@ -141,6 +141,28 @@ def prepare_digits(
     return root
 
 
+def _check_class_folder(folder: Path, sizes: Counter[str], problems: list[str]) -> int:
+    """Decode every image below ``folder``; count the readable ones, note the problems."""
+    from PIL import Image
+
+    n = 0
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            if not name.lower().endswith(IMAGE_EXTENSIONS):
+                problems.append(f"non-image file: {path}")
+                continue
+            try:
+                with Image.open(path) as im:
+                    im.load()  # decodes fully: truncated files fail here
+                    sizes[f"{im.width}x{im.height}"] += 1
+                n += 1
+            except Exception as e:
+                problems.append(f"unreadable or corrupt image: {path} ({e})")
+    return n
+
+
 def inspect_dataset(
     root: str | os.PathLike, *, show: bool = True, write_manifest: bool = True
 ) -> DatasetSummary:
@@ -156,8 +178,6 @@ def inspect_dataset(
     >>> s.ok, s.classes[:3]                               # doctest: +SKIP
     (True, ['0', '1', '2'])
     """
-    from PIL import Image
-
     root = Path(root)
     if not root.is_dir():
         raise DatasetError(
@@ -181,22 +201,7 @@ def inspect_dataset(
             problems.append(f"file outside any class folder: {f}")
         counts[split] = {}
         for c in classes:
-            n = 0
-            for dirpath, dirnames, filenames in os.walk(split_dir / c):
-                dirnames.sort()
-                for name in sorted(filenames):
-                    path = Path(dirpath) / name
-                    if not name.lower().endswith(IMAGE_EXTENSIONS):
-                        problems.append(f"non-image file: {path}")
-                        continue
-                    try:
-                        with Image.open(path) as im:
-                            im.load()  # decodes fully: truncated files fail here
-                            sizes[f"{im.width}x{im.height}"] += 1
-                        n += 1
-                    except Exception as e:
-                        problems.append(f"unreadable or corrupt image: {path} ({e})")
-            counts[split][c] = n
+            n = counts[split][c] = _check_class_folder(split_dir / c, sizes, problems)
             if n == 0:
                 problems.append(f"empty class: {split_dir / c} holds no readable images")
     if len(class_sets) == 2 and class_sets["train"] != class_sets["val"]:
