@@ -18,6 +18,7 @@ PRODUCTS = (
     WORKER_NAME,
     "metrics.jsonl",
     "progress.json",
+    "effective_config.json",
     "ranks",
     "checkpoints",
     "logs",
