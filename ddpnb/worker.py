@@ -575,9 +575,10 @@ def set_rng_state(state: dict, use_cuda: bool) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def init_process_group(
+def join_process_group(
     backend: str, timeout_seconds: int, rank: int, world_size: int, restart_count: int
 ) -> None:
+    """Join the run's default process group (``dist.init_process_group``)."""
     timeout = datetime.timedelta(seconds=timeout_seconds)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout)
@@ -645,7 +646,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(cfg["threads"] or threads_for_host(procs_on_host))
     backend = cfg["backend"] if cfg["backend"] != "auto" else ("nccl" if use_cuda else "gloo")
     if distributed:
-        init_process_group(backend, cfg["timeout_seconds"], global_rank, world_size, restart_count)
+        join_process_group(backend, cfg["timeout_seconds"], global_rank, world_size, restart_count)
     log(
         f"node {node_rank} local_rank {local_rank} of world_size {world_size} on "
         f"{socket.gethostname()}, {device}, backend {backend if distributed else 'none'}, "
