@@ -59,6 +59,22 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
     }
 
 
+def ipc_kernel_manager():
+    """A kernel manager whose kernel talks over local IPC sockets, not loopback TCP.
+
+    With TCP, every kernel prints a warning that its traffic is unencrypted; IPC
+    sockets are files only this user can open, so there is nothing to warn about.
+    """
+    from jupyter_client.manager import AsyncKernelManager
+
+    class IpcKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.transport = "ipc"
+
+    return IpcKernelManager
+
+
 def run(out: Path, data_dir: Path, quick: bool = False, timeout: int = 900) -> dict:
     """Execute every notebook into ``out`` and return the summaries they wrote."""
     import papermill
@@ -77,6 +93,7 @@ def run(out: Path, data_dir: Path, quick: bool = False, timeout: int = 900) -> d
             execution_timeout=timeout,
             cwd=str(out),
             progress_bar=False,
+            kernel_manager_class=ipc_kernel_manager(),
         )
         print(f"   done in {time.time() - t:.0f} s -> {out / name}", flush=True)
     summaries = {}

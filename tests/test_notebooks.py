@@ -7,7 +7,7 @@ import nbformat
 import pytest
 
 import ddpnb
-from ddpnb.demo import NOTEBOOKS, notebook_parameters
+from ddpnb.demo import NOTEBOOKS, ipc_kernel_manager, notebook_parameters
 
 ALL = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 
@@ -44,6 +44,7 @@ def executed(tmp_path_factory, digits_data):
                 execution_timeout=300,
                 cwd=str(out),
                 progress_bar=False,
+                kernel_manager_class=ipc_kernel_manager(),
             )
         except Exception as e:  # keep going: later notebooks report on their own
             failures[name] = e
