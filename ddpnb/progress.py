@@ -31,6 +31,7 @@ class Job(Protocol):
 
     def node_status(self) -> dict[int, str]: ...
 
+
 PLOT_INTERVAL = 1.0  # seconds between live-plot redraws at most
 STATUS_COLORS = {
     "starting": "#b58900",

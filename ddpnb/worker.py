@@ -606,7 +606,7 @@ def checkpoint_config(cfg: dict) -> dict:
 
 
 @record
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:  # noqa: C901, PLR0915 (to split: issue 14)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="config.json written by ddpnb")
     parser.add_argument("--run-dir", help="where outputs go (default: the config's folder)")
