@@ -58,7 +58,8 @@ def _resume_completes(data: Path, run: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_kernel_leaves_nothing_and_the_run_resumes(tiny_data, tmp_path):
+@pytest.mark.parametrize("end", ["sigkill", "restart"])
+def test_an_ended_kernel_leaves_nothing_and_the_run_resumes(tiny_data, tmp_path, end):
     from jupyter_client import KernelManager
 
     run = tmp_path / "r"
@@ -77,14 +78,17 @@ def test_a_killed_kernel_leaves_nothing_and_the_run_resumes(tiny_data, tmp_path)
         assert reply["content"]["status"] == "ok", reply["content"]
         pids = json.loads("".join(out).split("PIDS", 1)[1])
         assert len(pids) >= 4  # two agents, two workers
-        kernel_pid = km.provisioner.pid
-        os.kill(kernel_pid, signal.SIGKILL)  # what the OOM killer does: no cleanup runs
+        if end == "sigkill":
+            os.kill(km.provisioner.pid, signal.SIGKILL)  # the OOM killer: no cleanup runs
+        else:
+            km.restart_kernel(now=False)  # JupyterLab's "Restart Kernel": a polite shutdown
         left = _gone_within(pids, LIFETIME_LIMIT)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-    assert left == [], f"still alive {LIFETIME_LIMIT} s after the kernel was killed: {left}"
-    assert "the launcher is gone" in (run / "logs" / "node-0.log").read_text()
+    assert left == [], f"still alive {LIFETIME_LIMIT} s after the kernel ended ({end}): {left}"
+    if end == "sigkill":  # nothing of the kernel ran: the lifeline stopped the nodes
+        assert "the launcher is gone" in (run / "logs" / "node-0.log").read_text()
     _resume_completes(tiny_data, run)
 
 
