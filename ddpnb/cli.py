@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import signal
 import sys
-import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -269,51 +267,24 @@ class _StopSignals:
             raise StoppedBySignal(self.received) from exc  # e.g. a write to a closed terminal
 
 
-def _stop_leftover_children(grace: float = 3.0) -> None:
-    """Safety net: end any process still below this one (a signal before the Job existed)."""
-    from .launch import _alive, descendants
-
-    pids = [p for p in descendants(os.getpid()) if _alive(p)]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
-            try:
-                while os.waitpid(-1, os.WNOHANG)[0]:
-                    pass
-            except ChildProcessError:
-                pass
-            time.sleep(0.05)
-        pids = [p for p in pids if _alive(p)]
-        if not pids:
-            return
-
-
 def _train(args: argparse.Namespace) -> int:
     from .launch import launch
 
     config = train_config(args)
+    # launch() stops every process it started on KeyboardInterrupt (StoppedBySignal is one).
     with _StopSignals():
-        try:
-            job = launch(
-                config,
-                args.run_dir,
-                nnodes=args.nnodes,
-                nproc_per_node=args.nproc_per_node,
-                master_addr=args.master_addr,
-                master_port=args.master_port,
-                max_restarts=args.max_restarts,
-                resume=args.resume,
-                overwrite=args.overwrite,
-                progress="text",
-            )
-        except KeyboardInterrupt:
-            _stop_leftover_children()
-            raise
+        job = launch(
+            config,
+            args.run_dir,
+            nnodes=args.nnodes,
+            nproc_per_node=args.nproc_per_node,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            max_restarts=args.max_restarts,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress="text",
+        )
     print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
     return 0
 

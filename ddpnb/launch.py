@@ -53,6 +53,7 @@ def _alive(pid: int) -> bool:
 
 _live_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
 _lifelines: set[int] = set()  # write ends held by this process, one per running job
+_fork_hook_registered = False
 
 
 def _open_lifeline() -> tuple[int, int]:
@@ -61,8 +62,10 @@ def _open_lifeline() -> tuple[int, int]:
     Both ends are non-inheritable, so no other child of this process holds the write
     end; a forked child closes its copies, so it cannot keep a run alive either.
     """
-    if not _lifelines:
+    global _fork_hook_registered
+    if not _fork_hook_registered:
         os.register_at_fork(after_in_child=_close_lifelines_in_child)
+        _fork_hook_registered = True
     read_fd, write_fd = os.pipe()
     _lifelines.add(write_fd)
     return read_fd, write_fd
@@ -342,11 +345,17 @@ def launch(
     lifeline_read, lifeline = _open_lifeline()
     child_env = _agent_env(config, len(nodes) * nproc_per_node, env)
     child_env[LIFELINE_ENV] = str(lifeline_read)
+    procs: dict[int, subprocess.Popen] = {}
     try:
-        procs = {n: _start_agent(run_dir, topology, n, child_env, lifeline_read) for n in nodes}
-    except OSError as e:
+        for n in nodes:
+            procs[n] = _start_agent(run_dir, topology, n, child_env, lifeline_read)
+    except BaseException as e:  # an OSError, or Ctrl-C/SIGTERM before the Job exists
+        for proc in procs.values():
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing to save yet; its workers see EOF too
         _close_lifeline(lifeline)
-        raise LaunchError(f"Could not start torchrun: {e}") from e
+        if isinstance(e, OSError):
+            raise LaunchError(f"Could not start torchrun: {e}") from e
+        raise
     finally:
         os.close(lifeline_read)  # the agents hold it now
     job = Job(run_dir, config, procs, topology, progress=progress, lifeline=lifeline)

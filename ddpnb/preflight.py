@@ -6,6 +6,7 @@ problem and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import sys
@@ -63,10 +64,7 @@ def check_launch(
         master_port = free_port(bind_host)
     elif 0 in nodes:
         check_port_free(bind_host, master_port)
-    topology = Topology(
-        nnodes, nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts
-    )
-    return config, topology, nodes
+    return config, dataclasses.replace(topology, master_port=master_port), nodes
 
 
 def as_config(config: TrainConfig | Mapping[str, Any]) -> TrainConfig:
