@@ -1,0 +1,170 @@
+"""The GPU path: step (a) of bench/gpu_check.py on CUDA (``pytest -m gpu``), and what
+holds everywhere: the kernel never initialises CUDA, backend knobs reach the workers,
+and the check itself runs (on the CPU, with gloo) before a GPU is ever lent."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpnb
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_CHECK = ROOT / "bench" / "gpu_check.py"
+HAS_CUDA = torch.cuda.is_available()  # reads the driver; CUDA stays uninitialised
+
+needs_cuda = pytest.mark.skipif(
+    not HAS_CUDA,
+    reason="no CUDA device: step (a) of bench/gpu_check.py needs one (run `pytest -m gpu` "
+    "where a GPU is lent)",
+)
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- on a GPU: step (a)'s assertions --------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_cuda
+@pytest.mark.parametrize("name", ["jpeg-folder", "digits"])
+def test_nccl_launch_trains_checkpoints_and_resumes(name, tmp_path):
+    gpu_check = load_gpu_check()
+    configs = {
+        n: (c, v) for n, c, v in gpu_check.correctness_configs(tmp_path, cuda=True, quick=False)
+    }
+    cfg, n_val = configs[name]
+    nproc = torch.cuda.device_count()
+    # Raises CheckFailed naming the run and the assertion: val_samples exact, finite
+    # losses, nccl on cuda, a checkpoint, a resume that continues from it.
+    summary = gpu_check.launch_and_resume(cfg, tmp_path / "run", nproc, n_val, cuda=True)
+    assert f"nccl {nproc}x" in summary and "resumed 1->2" in summary
+
+
+# -- everywhere ------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has CUDA: the no-CUDA answer cannot show")
+def test_gpu_check_without_cuda_says_so_and_exits_77():
+    out = subprocess.run(
+        [sys.executable, str(GPU_CHECK), "--record"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 77, out.stdout + out.stderr
+    assert "no CUDA device: nothing to check; run this where a GPU is lent" in out.stdout
+    assert "recorded" not in out.stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_step_a_runs_on_cpu(tmp_path):
+    """The same launch/resume checks on gloo at tiny sizes: the script works before a GPU."""
+    out = subprocess.run(
+        [sys.executable, str(GPU_CHECK), "--allow-cpu", "--only", "a", "--work", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    ok = [ln for ln in out.stdout.splitlines() if ln.startswith("gpu-check: a ") and ": ok: " in ln]
+    assert len(ok) == 2, out.stdout
+    assert all("gloo 2x" in ln and "resumed 1->2" in ln for ln in ok), out.stdout
+
+
+KERNEL = """
+import json, sys
+import ddpnb
+cfg = ddpnb.TrainConfig(data_dir=sys.argv[1], image_size=16, epochs=1, batch_size=8,
+                        max_steps_per_epoch=2, timeout_seconds=30)
+job = ddpnb.launch(cfg, sys.argv[2], nnodes=1, nproc_per_node=1, progress="none")
+epochs = len(ddpnb.load_metrics(sys.argv[2]).epochs)
+torch_imported = "torch" in sys.modules
+import torch
+print(json.dumps({"epochs": epochs, "torch_imported": torch_imported,
+                  "cuda_initialized": torch.cuda.is_initialized()}))
+"""
+
+
+@pytest.mark.slow
+def test_kernel_never_initialises_cuda(tiny_data, tmp_path):
+    """A fresh process plays the notebook kernel: import ddpnb, launch, read the metrics."""
+    out = subprocess.run(
+        [sys.executable, "-c", KERNEL, str(tiny_data), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    state = json.loads(out.stdout.strip().splitlines()[-1])
+    assert state["epochs"] == 1
+    assert state["cuda_initialized"] is False, state
+    assert "initialised CUDA" not in out.stderr  # the launcher's warning
+
+
+# Imported by every Python process whose PYTHONPATH starts with its folder: a worker
+# (torchrun sets RANK) notes the backend knobs it sees, then the sitecustomize it
+# shadows (if any) still runs.
+PROBE = """
+import importlib, json, os, sys
+if "RANK" in os.environ and "DDPNB_ENV_PROBE" in os.environ:
+    keys = ("NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+    name = f"rank-{os.environ['RANK']}-{os.getpid()}.json"
+    with open(os.path.join(os.environ["DDPNB_ENV_PROBE"], name), "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys}, f)
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+del sys.modules["sitecustomize"]
+try:
+    importlib.import_module("sitecustomize")
+except ImportError:
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_backend_env_knobs_reach_the_workers(tiny_data, tmp_path, monkeypatch):
+    """NCCL_*/GLOO_* set in the kernel's environment, or passed as env=, reach every rank."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(PROBE)
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    path = os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))
+    cfg = ddpnb.TrainConfig(
+        data_dir=str(tiny_data),
+        image_size=16,
+        epochs=1,
+        batch_size=8,
+        max_steps_per_epoch=1,
+        timeout_seconds=30,
+    )
+    job = ddpnb.launch(
+        cfg,
+        tmp_path / "run",
+        nnodes=1,
+        nproc_per_node=2,
+        progress="none",
+        # gloo binds to the named interface: on loopback, "lo" is the right one.
+        env={"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": path, "DDPNB_ENV_PROBE": str(seen)},
+    )
+    assert len(job.metrics.epochs) == 1
+    records = {}
+    for f in seen.glob("rank-*.json"):
+        records.setdefault(int(f.name.split("-")[1]), []).append(json.loads(f.read_text()))
+    assert sorted(records) == [0, 1], sorted(seen.iterdir())
+    want = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+    for rank, recs in records.items():
+        assert all(r == want for r in recs), (rank, recs)
