@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lab bench lint clean
+.PHONY: setup demo test lab bench gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,13 @@ lab: setup
 
 bench: setup
 	$(PY) bench/run.py
+
+# Where a GPU is lent: the worker on nccl/bf16 and its speed (under 5 min on one H200).
+# Without CUDA it says so and exits 77 (nothing checked). `make gpu-check GPU_CHECK_ARGS=--record`
+# appends the figures to bench/results.md. With no network for setup, run
+# `python3 bench/gpu_check.py` with the machine's own torch: the repo needs no install.
+gpu-check: setup
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache
