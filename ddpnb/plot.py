@@ -7,15 +7,15 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
-from .metrics import RunMetrics, load_metrics
-
-RunLike = str | os.PathLike | RunMetrics
+from .metrics import RunMetrics
+from .report import RunLike, as_metrics, rank_table, scaling_table
 
 
 def _runs(runs: RunLike | Sequence[RunLike]) -> list[RunMetrics]:
-    if isinstance(runs, (str, os.PathLike, RunMetrics)):
+    """RunMetrics of one run or several (run directories, Jobs or RunMetrics)."""
+    if isinstance(runs, (str, os.PathLike, RunMetrics)) or hasattr(runs, "run_dir"):
         runs = [runs]
-    return [r if isinstance(r, RunMetrics) else load_metrics(r) for r in runs]
+    return [as_metrics(r) for r in runs]
 
 
 def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None = None) -> Figure:
@@ -106,11 +106,12 @@ def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None
     labels = list(labels) if labels is not None else [r.label for r in runs]
     fig = Figure(figsize=(11, 4), layout="constrained")
     ax_ips, ax_split = fig.subplots(1, 2, width_ratios=[1, 1.6])
-    base = runs[0].final.get("images_per_second") or 1.0
-    for i, run in enumerate(runs):
-        ips = run.final.get("images_per_second", 0.0)
+    # The numbers of report.scaling_table, so the plot and the printed table agree.
+    for i, row in enumerate(scaling_table(runs, labels)):
+        ips = row["images/s"]
         ax_ips.bar(i, ips, color=f"C{i}")
-        ax_ips.text(i, ips, f"{ips:.0f}\n{ips / base:.0%}", ha="center", va="bottom", fontsize=8)
+        text = f"{ips:.0f}\n{row['efficiency']:.0%}"
+        ax_ips.text(i, ips, text, ha="center", va="bottom", fontsize=8)
     ax_ips.set_xticks(range(len(runs)), labels)
     ax_ips.set(ylabel="training images/s (last epoch)", title="Throughput (efficiency vs first)")
     ax_ips.margins(y=0.2)
@@ -119,16 +120,14 @@ def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None
     parts += (("comm_seconds", "communication (not overlapped)"),)
     x, ticks, ticklabels = 0.0, [], []
     for run, label in zip(runs, labels):
-        for r, recs in run.ranks.items():
-            if not recs:
-                continue
+        for row in rank_table(run, [key for key, _ in parts], last_epoch=True):
             bottom = 0.0
             for j, (key, name) in enumerate(parts):
-                value = recs[-1].get(key, 0.0)
+                value = row[key] or 0.0  # "" where a record lacks the key
                 ax_split.bar(x, value, bottom=bottom, color=f"C{j + 3}", label=name)
                 bottom += value
             ticks.append(x)
-            ticklabels.append(f"{label}\nr{r}")
+            ticklabels.append(f"{label}\nr{row['rank']}")
             x += 1
         x += 0.6
     handles, names = ax_split.get_legend_handles_labels()
@@ -137,4 +136,69 @@ def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None
     ax_split.margins(y=0.15)
     ax_split.set_xticks(ticks, ticklabels, fontsize=8)
     ax_split.set(ylabel="seconds in the last epoch", title="Where each rank's time goes")
+    return fig
+
+
+def _class_counts(data) -> tuple[list[str], dict[str, dict[str, int]]]:
+    from .data import DatasetSummary, inspect_dataset
+
+    if not isinstance(data, DatasetSummary):
+        data = inspect_dataset(data, show=False, write_manifest=False)
+    return data.classes, data.counts
+
+
+def plot_class_counts(data) -> Figure:
+    """Grouped bars: images per class in ``train`` and ``val``.
+
+    ``data`` is a dataset folder or the :class:`~ddpnb.data.DatasetSummary` that
+    :func:`ddpnb.inspect_dataset` returned (then nothing is read again).
+
+    Example
+    -------
+    >>> plot_class_counts("data/digits").savefig("counts.png")   # doctest: +SKIP
+    """
+    classes, counts = _class_counts(data)
+    fig = Figure(figsize=(9, 3.5), layout="constrained")
+    ax = fig.subplots()
+    width = 0.4
+    for i, split in enumerate(["train", "val"]):
+        values = [counts.get(split, {}).get(c, 0) for c in classes]
+        offsets = [p + (i - 0.5) * width for p in range(len(classes))]
+        ax.bar(offsets, values, width, label=f"{split} ({sum(values)})")
+    ax.set_xticks(list(range(len(classes))), classes)
+    ax.set(xlabel="class", ylabel="images", title="Images per class and split")
+    top = max([0, *counts.get("train", {}).values(), *counts.get("val", {}).values()])
+    ax.set_ylim(top=1.25 * top or 1)  # room for the legend above the bars
+    ax.legend(loc="upper center", ncols=2)
+    return fig
+
+
+def plot_samples(
+    data_dir: str | os.PathLike, split: str = "train", per_class: int = 2, max_classes: int = 10
+) -> Figure:
+    """A grid of images read straight from the files: a column per class (the first
+    ``max_classes``), the first ``per_class`` images of each, in sorted file order.
+
+    Example
+    -------
+    >>> plot_samples("data/digits").savefig("samples.png")   # doctest: +SKIP
+    """
+    from PIL import Image
+
+    from .constants import IMAGE_EXTENSIONS
+
+    root = os.path.join(data_dir, split)
+    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    shown = classes[:max_classes]
+    fig = Figure(figsize=(1.3 * max(len(shown), 2), 1.5 * per_class), layout="constrained")
+    axes = fig.subplots(per_class, max(len(shown), 1), squeeze=False)
+    for col, cls in enumerate(shown):
+        folder = os.path.join(root, cls)
+        names = sorted(n for n in os.listdir(folder) if n.lower().endswith(IMAGE_EXTENSIONS))
+        for row, name in enumerate(names[:per_class]):
+            with Image.open(os.path.join(folder, name)) as im:
+                axes[row][col].imshow(im.convert("RGB") if im.mode != "L" else im, cmap="gray")
+        axes[0][col].set_title(cls, fontsize=10)
+    for ax in axes.flat:
+        ax.axis("off")
     return fig

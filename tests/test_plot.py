@@ -109,3 +109,31 @@ def test_plot_scaling_splits_each_ranks_time(tmp_path):
         "compute",
         "communication (not overlapped)",
     }
+
+
+def test_plot_class_counts_bars_are_the_counts(tiny_data):
+    from conftest import TRAIN_PER_CLASS, VAL_COUNTS
+
+    summary = ddpnb.inspect_dataset(tiny_data, show=False)
+    for data in (tiny_data, summary):  # a folder, or the summary already in hand
+        fig = ddpnb.plot.plot_class_counts(data)
+        ax = fig.axes[0]
+        heights = [p.get_height() for p in ax.patches]
+        assert heights == [TRAIN_PER_CLASS] * 10 + VAL_COUNTS
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert legend == [f"train ({10 * TRAIN_PER_CLASS})", f"val ({sum(VAL_COUNTS)})"]
+        assert [t.get_text() for t in ax.get_xticklabels()] == [str(c) for c in range(10)]
+
+
+def test_plot_samples_shows_the_first_images_of_each_class(tiny_data, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    fig = ddpnb.plot.plot_samples(tiny_data, per_class=2, max_classes=4)
+    assert len(fig.axes) == 2 * 4
+    assert [ax.get_title() for ax in fig.axes[:4]] == ["0", "1", "2", "3"]
+    first = sorted((tiny_data / "train" / "1").iterdir())[0]
+    shown = fig.axes[1].get_images()[0].get_array()  # row 0, class "1"
+    assert np.array_equal(np.asarray(shown), np.asarray(Image.open(first)))
+    fig.savefig(tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,264 @@
+"""Tables and summaries of finished runs: pure functions of run directories.
+
+The notebooks print these tables and write these summaries; the plots in
+:mod:`ddpnb.plot` draw from the same functions, so a number in a table and the bar
+that shows it come from one place. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from .metrics import RunMetrics, load_metrics
+
+#: A finished run: a run directory, its RunMetrics, or a :class:`~ddpnb.Job`.
+RunLike = str | os.PathLike | RunMetrics | object
+
+#: What notebook 03 shows per rank: where it ran and how much it did.
+RANK_KEYS = ("node_rank", "local_rank", "train_samples", "val_samples", "images_per_second")
+
+
+class Table(list):
+    """A list of row dicts that prints as an aligned text table.
+
+    Example
+    -------
+    >>> print(Table([{"layout": "1x1", "images/s": 310}, {"layout": "1x2", "images/s": 290}]))
+    layout  images/s
+       1x1       310
+       1x2       290
+    """
+
+    def __str__(self) -> str:
+        header = list(dict.fromkeys(k for row in self for k in row))
+        cells = [header] + [[_cell(row.get(k, "")) for k in header] for row in self]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the table, not a list
+        p.text(str(self))
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
+
+
+def as_metrics(run: RunLike) -> RunMetrics:
+    """The RunMetrics of a run directory, a :class:`~ddpnb.Job` or RunMetrics itself.
+
+    Example
+    -------
+    >>> as_metrics("runs/ddp").final["val_acc"]   # doctest: +SKIP
+    0.97
+    """
+    if isinstance(run, RunMetrics):
+        return run
+    return load_metrics(getattr(run, "run_dir", run))
+
+
+def _labelled(runs, labels: Sequence[str] | None = None) -> dict[str, RunMetrics]:
+    """``{label: RunMetrics}`` from one run, a sequence of runs or a mapping."""
+    if isinstance(runs, Mapping):
+        return {str(label): as_metrics(run) for label, run in runs.items()}
+    if isinstance(runs, (str, os.PathLike, RunMetrics)) or hasattr(runs, "run_dir"):
+        runs = [runs]
+    metrics = [as_metrics(r) for r in runs]
+    labels = list(labels) if labels is not None else [m.run_dir.name for m in metrics]
+    return dict(zip(labels, metrics))
+
+
+def rank_table(
+    runs: RunLike | Sequence[RunLike] | Mapping[str, RunLike],
+    keys: Iterable[str] = RANK_KEYS,
+    *,
+    last_epoch: bool = False,
+) -> Table:
+    """One row per run, epoch and global rank, with those keys of the per-rank records.
+
+    ``runs`` is one run, or a ``{label: run}`` mapping (then a ``run`` column comes
+    first). ``last_epoch`` keeps each rank's last record only.
+
+    Example
+    -------
+    >>> print(rank_table("runs/ddp", last_epoch=True))                           # doctest: +SKIP
+    >>> rank_table({"correct": "runs/ok", "no sampler": "runs/bad"}, ["train_samples"])  # doctest: +SKIP
+    """
+    keys = list(keys)
+    labelled = isinstance(runs, Mapping)
+    table = Table()
+    for label, m in _labelled(runs).items():
+        rows = []
+        for rank, records in m.ranks.items():
+            for rec in records[-1:] if last_epoch else records:
+                row = {"run": label} if labelled else {}
+                row |= {"epoch": rec.get("epoch"), "rank": rank}
+                rows.append(row | {k: rec.get(k, "") for k in keys})
+        table.extend(sorted(rows, key=lambda r: (r["epoch"] or 0, r["rank"])))
+    return table
+
+
+def epoch_table(
+    run: RunLike, keys: Iterable[str] = ("restart_count", "train_loss", "val_loss", "val_acc")
+) -> Table:
+    """One row per recorded epoch (``metrics.jsonl``) with those keys.
+
+    Example
+    -------
+    >>> print(epoch_table("runs/fault", ["restart_count", "val_acc"]))   # doctest: +SKIP
+    """
+    keys = list(keys)
+    return Table(
+        {"epoch": e["epoch"], **{k: e.get(k, "") for k in keys}} for e in as_metrics(run).epochs
+    )
+
+
+def run_table(
+    runs: Mapping[str, RunLike],
+    keys: Iterable[str] = ("world_size", "images_per_second", "val_acc"),
+) -> Table:
+    """One row per run: those keys of its last epoch.
+
+    Example
+    -------
+    >>> print(run_table({"baseline": "runs/baseline", "DDP": "runs/ddp"}))   # doctest: +SKIP
+    """
+    keys = list(keys)
+    return Table(
+        {"run": label, **{k: m.final.get(k, "") for k in keys}}
+        for label, m in _labelled(runs).items()
+    )
+
+
+def samples_seen(run: RunLike) -> dict[str, int]:
+    """Training and validation images summed over every rank's last epoch.
+
+    The validation sum equals the split exactly when each image is counted once; the
+    training sum may exceed the split by ``DistributedSampler``'s padding.
+
+    Example
+    -------
+    >>> samples_seen("runs/ddp")   # doctest: +SKIP
+    {'train': 1438, 'val': 360}
+    """
+    last = [records[-1] for records in as_metrics(run).ranks.values() if records]
+    return {split: sum(r[f"{split}_samples"] for r in last) for split in ("train", "val")}
+
+
+def _time_split(ranks: dict[int, list[dict]]) -> tuple[float, float]:
+    """(communication seconds, all seconds) summed over each rank's last record."""
+    last = [records[-1] for records in ranks.values() if records]
+    comm = sum(r.get("comm_seconds", 0.0) for r in last)
+    parts = ("data_wait_seconds", "compute_seconds", "comm_seconds")
+    return comm, sum(r.get(k, 0.0) for r in last for k in parts)
+
+
+def scaling_table(
+    runs: Sequence[RunLike] | Mapping[str, RunLike], labels: Sequence[str] | None = None
+) -> Table:
+    """Per run: images/s, efficiency against the first run, communication share, val_acc.
+
+    ``efficiency`` is images/s over the first run's images/s; ``communication share``
+    is the part of all ranks' last-epoch seconds spent waiting for gradients.
+    :func:`ddpnb.plot_scaling` draws these numbers.
+
+    Example
+    -------
+    >>> print(scaling_table({"1x1": "runs/scaling/1x1", "1x2": "runs/scaling/1x2"}))  # doctest: +SKIP
+    layout  world_size  images/s  efficiency  communication share  val_acc
+       1x1           1       310           1                 0.01   0.9694
+       1x2           2       252        0.81                 0.19   0.9667
+    """
+    labelled = _labelled(runs, labels)
+    first = next(iter(labelled.values()), None)
+    base = (first.final.get("images_per_second") if first else None) or 1.0
+    table = Table()
+    for label, m in labelled.items():
+        ips = m.final.get("images_per_second", 0.0)
+        comm, busy = _time_split(m.ranks)
+        table.append(
+            {
+                "layout": label,
+                "world_size": m.final.get("world_size"),
+                "images/s": round(ips),
+                "efficiency": round(ips / base, 2),
+                "communication share": round(comm / busy, 2) if busy else 0.0,
+                "val_acc": round(m.final.get("val_acc", 0.0), 4),
+            }
+        )
+    return table
+
+
+def same_weights(a: RunLike, b: RunLike) -> bool:
+    """Whether two runs hold bit-identical parameters after every epoch (rank 0's checksums).
+
+    Example
+    -------
+    >>> same_weights("runs/scaling/1x2", "runs/scaling/1x2-gloo")   # doctest: +SKIP
+    True
+    """
+    sums = [[r["param_checksum"] for r in as_metrics(run).ranks.get(0, [])] for run in (a, b)]
+    return bool(sums[0]) and sums[0] == sums[1]
+
+
+def run_figures(run: RunLike | None, prefix: str = "") -> dict:
+    """A run's headline numbers: final val_acc and images/s, training seconds, epochs.
+
+    ``run=None`` (a run that is missing) gives the same keys with ``None`` values.
+    ``prefix`` goes in front of every key.
+
+    Example
+    -------
+    >>> run_figures("runs/ddp", prefix="ddp_")["ddp_val_acc"]   # doctest: +SKIP
+    0.97
+    """
+    keys = ("val_acc", "images_per_second", "train_seconds", "epochs", "world_size")
+    if run is None:
+        return {prefix + k: None for k in keys}
+    m = as_metrics(run)
+    values = [m.final.get("val_acc"), m.final.get("images_per_second")]
+    values += [sum(m.series("epoch_seconds")), len(m.epochs), m.final.get("world_size")]
+    return {prefix + k: v for k, v in zip(keys, values)}
+
+
+def node_log_lines(
+    run: RunLike, words: Iterable[str] = (), *, head: int = 0, width: int | None = None
+) -> str:
+    """Lines of every node's log (``logs/node-<n>.log``): the first ``head``, then
+    those that contain any of ``words``; each cut to ``width`` characters.
+
+    Example
+    -------
+    >>> print(node_log_lines(job, head=1))                            # doctest: +SKIP
+    >>> print(node_log_lines(job, ["restart", "resumed from"], width=160))  # doctest: +SKIP
+    """
+    words = list(words)
+    logs = Path(getattr(run, "run_dir", run)) / "logs"  # a Job and RunMetrics have run_dir
+    out = []
+    for path in sorted(logs.glob("node-*.log"), key=lambda p: int(p.stem.split("-")[1])):
+        lines = path.read_text(errors="replace").splitlines()
+        chosen = lines[:head] + [ln for ln in lines[head:] if any(w in ln for w in words)]
+        out.append(f"--- {path.stem.replace('-', ' ')}")
+        out.extend(ln.rstrip()[:width] for ln in chosen)
+    return "\n".join(out)
+
+
+def summary_record(name: str, out_dir: str | os.PathLike, **values) -> dict:
+    """Write ``out_dir/<name>_summary.json`` (what the demo and the tests read), print it.
+
+    Returns the record. Values must be JSON-ready (tables are lists of dicts).
+
+    Example
+    -------
+    >>> summary_record("02", "runs/demo", **run_figures("runs/baseline"))   # doctest: +SKIP
+    """
+    path = Path(out_dir) / f"{name}_summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(values, indent=2)
+    path.write_text(text + "\n")
+    print(f"{path}:\n{text}")
+    return values
