@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     cmds.add_argument("--rendezvous", choices=["static", "c10d"], default="static")
     cmds.add_argument("--node-rank", type=int)
 
+    _submit_parser(sub)
+    attach = sub.add_parser("attach", help="follow a submitted Slurm job again (Ctrl-C cancels it)")
+    attach.add_argument("run_dir")
+
     slurm = sub.add_parser("slurm", help="write an sbatch script")
     slurm.add_argument("--run-dir", required=True)
     slurm.add_argument("--nnodes", type=int, default=2)
@@ -89,15 +93,108 @@ def _train_parser(sub) -> argparse.ArgumentParser:
         help="start from a saved config.json (e.g. RUN_DIR/config.json); options override it",
     )
     launch.add_argument("--run-dir", required=True)
-    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--nnodes", type=int, help="simulated nodes on this machine (default 1)")
     launch.add_argument("--nproc-per-node", type=int, default=1)
-    launch.add_argument("--master-addr", default="127.0.0.1")
+    launch.add_argument(
+        "--master-addr", help="default: 127.0.0.1, or with --hosts the first host's address"
+    )
     launch.add_argument("--master-port", type=int)
     launch.add_argument("--max-restarts", type=int, default=0)
     launch.add_argument("--resume", action="store_true")
     launch.add_argument("--overwrite", action="store_true")
+    hosts = train.add_argument_group("real hosts over SSH (one node per host)")
+    hosts.add_argument(
+        "--hosts",
+        metavar="A,B[,C]",
+        type=lambda text: [h for h in text.split(",") if h],
+        help="e.g. gpu1,alice@gpu2,10.0.0.3:2222; the first is node 0",
+    )
+    hosts.add_argument("--ssh-config", metavar="FILE", help="an OpenSSH client config (ssh -F)")
+    hosts.add_argument(
+        "--ssh-option",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one extra ssh argument, verbatim (repeat: --ssh-option=-o --ssh-option=Port=2222)",
+    )
+    hosts.add_argument("--python", help="the hosts' interpreter (default: this one's path)")
+    hosts.add_argument("--remote-run-dir", help="the run directory on hosts without a shared one")
     _config_options(train.add_argument_group("training (TrainConfig fields)"))
     return train
+
+
+def _submit_parser(sub) -> argparse.ArgumentParser:
+    submit = sub.add_parser(
+        "submit",
+        help="train as a Slurm batch job (sbatch), followed until it ends",
+        description="Submit a run with sbatch: one torchrun per node (srun), the c10d "
+        "rendezvous on the first node. RUN_DIR must be on a filesystem every node shares. "
+        "Ctrl-C cancels the job (scancel); --detach leaves it running (ddpnb attach RUN_DIR).",
+    )
+    job = submit.add_argument_group("Slurm job")
+    job.add_argument("--config", metavar="FILE", help="start from a saved config.json")
+    job.add_argument("--run-dir", required=True, help="on a filesystem every node shares")
+    job.add_argument("--nnodes", type=int, required=True)
+    job.add_argument("--nproc-per-node", type=int, default=1, help="usually one per GPU")
+    job.add_argument("--gpus-per-node", type=int)
+    job.add_argument("--partition", help="default: the cluster's default partition")
+    job.add_argument("--time", default="01:00:00", help="the time limit (sbatch --time)")
+    job.add_argument("--account")
+    job.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one extra sbatch argument, verbatim (repeat: --sbatch-arg=--requeue)",
+    )
+    job.add_argument("--python", help="the nodes' interpreter (default: this one's path)")
+    job.add_argument("--max-restarts", type=int, default=0)
+    job.add_argument("--resume", action="store_true")
+    job.add_argument("--overwrite", action="store_true")
+    job.add_argument("--detach", action="store_true", help="return once submitted")
+    _config_options(submit.add_argument_group("training (TrainConfig fields)"))
+    return submit
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from .slurm import submit_slurm
+
+    config = train_config(args)
+    with _StopSignals():  # SIGTERM/SIGHUP cancel the job as Ctrl-C does
+        job = submit_slurm(
+            config,
+            args.run_dir,
+            nnodes=args.nnodes,
+            nproc_per_node=args.nproc_per_node,
+            gpus_per_node=args.gpus_per_node,
+            partition=args.partition,
+            time=args.time,
+            account=args.account,
+            sbatch_args=args.sbatch_arg,
+            python=args.python,
+            max_restarts=args.max_restarts,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            wait=not args.detach,
+            progress="text",
+        )
+    if args.detach:
+        print(
+            f"submitted Slurm job {job.job_id}; follow it with: ddpnb attach {job.run_dir} "
+            f"(or squeue -j {job.job_id}); cancel it with: scancel {job.job_id}"
+        )
+    else:
+        print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def _attach(args: argparse.Namespace) -> int:
+    from .slurm import attach
+
+    with _StopSignals():
+        job = attach(args.run_dir, progress="text")
+    print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
+    return 0
 
 
 # -- TrainConfig fields as options -----------------------------------------------------
@@ -276,7 +373,7 @@ def _train(args: argparse.Namespace) -> int:
         job = launch(
             config,
             args.run_dir,
-            nnodes=args.nnodes,
+            nnodes=args.nnodes if args.nnodes is not None or args.hosts else 1,
             nproc_per_node=args.nproc_per_node,
             master_addr=args.master_addr,
             master_port=args.master_port,
@@ -284,6 +381,11 @@ def _train(args: argparse.Namespace) -> int:
             resume=args.resume,
             overwrite=args.overwrite,
             progress="text",
+            hosts=args.hosts,
+            ssh_config=args.ssh_config,
+            ssh_options=args.ssh_option,
+            python=args.python,
+            remote_run_dir=args.remote_run_dir,
         )
     print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
     return 0
@@ -333,6 +435,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if inspect_dataset(args.dir).ok else 1
     if args.command == "train":
         return _train(args)
+    if args.command == "submit":
+        return _submit(args)
+    if args.command == "attach":
+        return _attach(args)
     if args.command == "plot":
         from .plot import plot_curves
 

@@ -58,7 +58,8 @@ def dataset_fingerprint(root: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def threads_for_host(procs_on_host: int) -> int:
+def threads_for_host(procs_on_host: int, cores: int | None = None) -> int:
     # Each process gets its share of the host's cores: N simulated nodes x P processes
     # with default threads each would oversubscribe the cores (8x slower measured).
-    return max(1, (os.cpu_count() or 1) // max(1, procs_on_host))
+    # ``cores``: another host's count (the SSH launcher asks each host for its own).
+    return max(1, (cores or os.cpu_count() or 1) // max(1, procs_on_host))

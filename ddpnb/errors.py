@@ -27,6 +27,17 @@ class LaunchError(DdpnbError):
     """A run could not be started or stopped as asked."""
 
 
+class HostError(LaunchError):
+    """A host of the run cannot run it (unreachable, login refused, no torch, other data).
+
+    ``host`` names the first such host as the user wrote it; the message names them all.
+    """
+
+    def __init__(self, message: str, *, host: str | None = None) -> None:
+        self.host = host
+        super().__init__(message)
+
+
 class RunFailed(DdpnbError):
     """A launched run ended without finishing: the base of the run failures below.
 

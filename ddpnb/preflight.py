@@ -52,19 +52,37 @@ def check_launch(
     for n in nodes:
         if not isinstance(n, int) or not 0 <= n < nnodes:
             raise ConfigError(f"node_rank {n!r} must be in 0..{nnodes - 1} (node_rank < nnodes).")
-    if progress not in PROGRESS_MODES:
-        raise ConfigError("progress must be 'auto', 'widgets', 'text' or 'none'.")
-    data_dir = Path(config.data_dir).resolve()
-    summary = require_valid_dataset(data_dir)
-    config = config.replace(data_dir=str(data_dir))
-    check_batch_size(config, summary.split_size("train"), topology.world_size)
-    check_model(config)
+    config = check_run(config, topology, progress)
     bind_host = loopback_bind_address(master_addr) or ""  # "": every interface, as the store
     if master_port is None:
         master_port = free_port(bind_host)
     elif 0 in nodes:
         check_port_free(bind_host, master_port)
     return config, dataclasses.replace(topology, master_port=master_port), nodes
+
+
+def check_run(
+    config: TrainConfig, topology: Topology, progress: str, here: bool = True
+) -> TrainConfig:
+    """Check the progress mode, the dataset and the model; return the config, data_dir absolute.
+
+    ``here=False`` (real hosts): the dataset need not be on this machine, where it is
+    not its path must be absolute, and the hosts' preflight checks it there.
+    """
+    if progress not in PROGRESS_MODES:
+        raise ConfigError("progress must be 'auto', 'widgets', 'text' or 'none'.")
+    data_dir = Path(config.data_dir)
+    if here or data_dir.exists():
+        data_dir = data_dir.resolve()
+        summary = require_valid_dataset(data_dir)
+        check_batch_size(config, summary.split_size("train"), topology.world_size)
+    elif not data_dir.is_absolute():
+        raise ConfigError(
+            f"data_dir {config.data_dir!r} is not on this machine, so it must be an absolute "
+            "path: the same path on every host (where the preflight checks it)."
+        )
+    check_model(config)
+    return config.replace(data_dir=str(data_dir))
 
 
 def as_config(config: TrainConfig | Mapping[str, Any]) -> TrainConfig:

@@ -18,7 +18,8 @@ import ddpnb
 from ddpnb import cli
 from ddpnb.config import TrainConfig
 from ddpnb.errors import ConfigError
-from ddpnb.launch import _alive, descendants
+from ddpnb.agent import descendants
+from ddpnb.job import _alive
 
 
 def _train_action(name: str):

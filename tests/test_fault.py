@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_config, tmpfs
 
 import ddpnb
-from ddpnb.launch import _alive
+from ddpnb.job import _alive
 from ddpnb.preflight import free_port
 
 pytestmark = pytest.mark.slow

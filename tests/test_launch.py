@@ -15,7 +15,7 @@ from conftest import tiny_config
 
 import ddpnb
 from ddpnb.errors import ConfigError, DatasetError, PortInUseError, RendezvousTimeout, RunDirError
-from ddpnb.launch import _alive
+from ddpnb.job import _alive
 from ddpnb.preflight import check_port_free
 
 

@@ -21,7 +21,7 @@ import pytest
 from conftest import TINY
 
 import ddpnb
-from ddpnb.launch import _alive
+from ddpnb.job import _alive
 
 LIFETIME_LIMIT = 10.0
 

@@ -6,7 +6,7 @@ import pytest
 from test_plot import _fake_run
 
 import ddpnb
-from ddpnb.launch import Job
+from ddpnb.job import Job
 from ddpnb.progress import TextProgress, WidgetProgress, is_jupyter_server
 from ddpnb.topology import Topology
 

@@ -1,0 +1,242 @@
+"""Real hosts over SSH: two network namespaces on a bridge, each with Debian's sshd.
+
+Needs root, iproute2 and openssh-server (``.ci/run`` installs it). Every test reaches
+the hosts through the ``ssh_config`` the fixture writes; nothing of this machine's own
+SSH setup is used or changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config
+from sshhosts import ssh_hosts
+
+import ddpnb
+from ddpnb.errors import ConfigError, HostError, NodeLost, WorkerFailed
+
+pytestmark = [pytest.mark.slow, pytest.mark.netns]
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    with ssh_hosts(tmp_path_factory.mktemp("ssh"), os.getpid() % 1000) as h:
+        yield h
+        assert not h.leftovers(), h.leftovers()  # no test left a process on a host
+
+
+def _launch(hosts, cfg, run_dir, names, **kwargs):
+    return ddpnb.launch(
+        cfg,
+        run_dir,
+        hosts=names,
+        ssh_config=kwargs.pop("ssh_config", hosts.ssh_config),
+        env={**hosts.env, **kwargs.pop("env", {})},
+        progress="none",
+        **kwargs,
+    )
+
+
+def _no_leftovers(hosts, within: float = 10.0) -> dict:
+    deadline = time.time() + within
+    while hosts.leftovers() and time.time() < deadline:
+        time.sleep(0.2)
+    return hosts.leftovers()
+
+
+def test_two_hosts_train_like_two_simulated_nodes(hosts, tiny_data, layout_run, tmp_path):
+    cfg = tiny_config(tiny_data, threads=1)
+    job = _launch(hosts, cfg, tmp_path / "run", hosts.names)
+    simulated = layout_run("2x1").metrics
+    got = job.metrics
+    assert [r["epoch"] for r in got.epochs] == [1, 2]
+    assert got.final["world_size"] == 2
+    assert got.final["val_samples"] == simulated.final["val_samples"]
+    # Same seed, same shards, same averaged gradients: the same numbers as simulated nodes.
+    for key in ("train_loss", "val_acc", "val_loss"):
+        assert got.series(key) == pytest.approx(simulated.series(key), rel=1e-5), key
+    assert job.hosts == hosts.names
+    assert {recs[-1]["node_rank"] for recs in got.ranks.values()} == {0, 1}
+    assert "ssh" in job.log_paths[1].read_text().splitlines()[0]  # the command, logged
+    assert not _no_leftovers(hosts)
+
+
+def test_no_shared_filesystem_copies_out_and_brings_back(hosts, tiny_data, tmp_path):
+    # The hosts see a private tmpfs at private_root: not the launcher's run directory.
+    run = hosts.private_root / f"run-{os.getpid()}"
+    try:
+        cfg = tiny_config(tiny_data, threads=1)
+        job = _launch(hosts, cfg, run, hosts.private)
+        assert job.remote.shared == [False, False]
+        metrics = ddpnb.load_metrics(run)
+        assert [r["epoch"] for r in metrics.epochs] == [1, 2]
+        assert sorted(metrics.ranks) == [0, 1]  # both hosts' rank records came back
+        assert all(len(recs) == 2 for recs in metrics.ranks.values())
+        assert (run / "logs" / "node-1").is_dir()
+        assert not (run / "checkpoints").exists()  # checkpoints stay on node 0
+        assert job.remote.checkpoint_dir == f"hosta-private:{run}/checkpoints"
+        listing = hosts.in_private(0, ["ls", str(run / "checkpoints")])
+        assert "last.pt" in listing.stdout, listing
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_worker_that_raises_names_its_host(hosts, tiny_data, tmp_path):
+    cfg = tiny_config(tiny_data, threads=1, epochs=3)
+    start = time.time()
+    with pytest.raises(WorkerFailed) as info:
+        _launch(
+            hosts,
+            cfg,
+            tmp_path / "run",
+            hosts.names,
+            env={"DDPNB_FAULT": "rank=1,epoch=1,step=1,mode=raise"},
+        )
+    err = info.value
+    assert (err.host, err.node_rank, err.global_rank, err.exit_code) == ("hostb", 1, 1, 1)
+    assert "DDPNB_FAULT injected failure" in err.traceback
+    assert time.time() - start < 60
+    assert not _no_leftovers(hosts)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["unreachable", "wrong key", "no interpreter", "other data", "quoted paths"],
+)
+def test_preflight_names_the_host_before_anything_starts(hosts, tiny_data, tmp_path, case):
+    cfg = tiny_config(tiny_data, threads=1)
+    names, kwargs = list(hosts.names), {}
+    if case == "unreachable":
+        names[1] = f"root@{hosts.addrs[0].rsplit('.', 1)[0]}.250"  # nothing answers there
+    elif case == "wrong key":
+        config = hosts.ssh_config.read_text().replace("IdentityFile ", "IdentityFile /nonexistent")
+        kwargs["ssh_config"] = tmp_path / "other_ssh_config"
+        kwargs["ssh_config"].write_text(config)
+    elif case == "no interpreter":
+        kwargs["python"] = "/opt/no such/python"
+    elif case == "other data":
+        data = hosts.private_root / f"data-{os.getpid()}"
+        for n, drop in ((0, False), (1, True)):
+            hosts.in_private(n, ["cp", "-r", str(tiny_data), str(data)])
+            if drop:  # host b's copy lacks one image
+                victim = sorted((tiny_data / "train" / "3").iterdir())[0].name
+                hosts.in_private(n, ["rm", str(data / "train" / "3" / victim)])
+        cfg = cfg.replace(data_dir=str(data))
+        names = hosts.private
+    elif case == "quoted paths":
+        cfg = cfg.replace(data_dir=str(tmp_path / "my data 'x'"))
+    start = time.time()
+    with pytest.raises((HostError, ConfigError)) as info:
+        _launch(hosts, cfg, tmp_path / "run dir", names, **kwargs)
+    elapsed = time.time() - start
+    message = str(info.value)
+    assert elapsed < 20, elapsed
+    assert not (tmp_path / "run dir" / "logs").exists()  # nothing started
+    expected = {
+        "unreachable": (names[1], "could not be reached"),
+        "wrong key": ("hosta", "refused the login"),
+        "no interpreter": ("hosta", "no Python interpreter at /opt/no such/python"),
+        "other data": ("hostb-private", "differs from node 0's"),
+        "quoted paths": ("hosta", "my data 'x'"),
+    }[case]
+    assert all(part in message for part in expected), message
+    if case == "quoted paths":
+        assert "no dataset at" in message
+    if case == "other data":
+        assert "hosta-private holds" not in message and "rsync -a" in message
+
+
+KERNEL_KILL = textwrap.dedent(
+    """
+    import json, sys
+    import ddpnb
+    args = json.loads(sys.argv[1])
+    job = ddpnb.launch(ddpnb.TrainConfig.from_dict(args["config"]), args["run_dir"],
+                       hosts=args["hosts"], ssh_config=args["ssh_config"], env=args["env"],
+                       progress="none", wait=False)
+    print("started", flush=True)
+    job.wait()
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigterm-cli"])
+def test_the_launcher_ending_ends_every_host(hosts, tiny_data, tmp_path, how):
+    cfg = tiny_config(tiny_data, threads=1, epochs=200)
+    run = tmp_path / "run"
+    if how == "sigkill":  # a kernel killed outright: none of its cleanup code runs
+        args = {"config": cfg.to_dict(), "run_dir": str(run), "hosts": hosts.names,
+                "ssh_config": str(hosts.ssh_config), "env": hosts.env}  # fmt: skip
+        cmd = [sys.executable, "-c", KERNEL_KILL, json.dumps(args)]
+        sig = signal.SIGKILL
+    else:
+        cfg.save(tmp_path / "cfg.json")
+        cmd = [sys.executable, "-m", "ddpnb", "train", "--config", str(tmp_path / "cfg.json"),
+               "--run-dir", str(run), "--hosts", ",".join(hosts.names),
+               "--ssh-config", str(hosts.ssh_config), "--threads", "1"]  # fmt: skip
+        sig = signal.SIGTERM
+    env = {**os.environ, **hosts.env}
+    launcher = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 90
+        while not (run / "metrics.jsonl").exists():  # both hosts are training
+            assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
+            time.sleep(0.2)
+        assert all(len(hosts.ns_pids(n)) > 2 for n in range(2))  # agents and workers there
+        launcher.send_signal(sig)
+        killed_at = time.time()
+        left = _no_leftovers(hosts, within=10)
+        print(f"hosts empty {time.time() - killed_at:.1f} s after {how}")
+        assert not left, left
+        if how == "sigterm-cli":
+            assert launcher.wait(timeout=10) == 128 + signal.SIGTERM
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.communicate()
+
+
+def test_a_cut_link_is_a_lost_node_named_by_host(hosts, tiny_data, tmp_path):
+    cfg = tiny_config(tiny_data, threads=1, epochs=200, timeout_seconds=20)
+    job = _launch(hosts, cfg, tmp_path / "run", hosts.names, wait=False)
+    try:
+        deadline = time.time() + 90
+        while not job.metrics.epochs:
+            assert job.running and time.time() < deadline, job.log_tail(1)
+            time.sleep(0.2)
+        subprocess.run(["ip", "link", "set", hosts.links[1], "down"], check=True)
+        cut_at = time.time()
+        with pytest.raises(NodeLost) as info:
+            job.wait()
+        elapsed = time.time() - cut_at
+    finally:
+        subprocess.run(["ip", "link", "set", hosts.links[1], "up"], check=True)
+        job.stop()
+    assert info.value.host == "hostb" and info.value.node_rank == 1, str(info.value)
+    assert "resume=True" in str(info.value)
+    assert elapsed < cfg.timeout_seconds + 30, elapsed
+    assert not _no_leftovers(hosts, within=cfg.timeout_seconds + 15)
+
+
+def test_bad_arguments_are_refused_before_any_ssh(tiny_data, tmp_path):
+    cfg = tiny_config(tiny_data)
+    with pytest.raises(ConfigError, match="leave nnodes out"):
+        ddpnb.launch(cfg, tmp_path / "a", hosts=["a", "b"], nnodes=3)
+    with pytest.raises(ConfigError, match="leading '-'"):
+        ddpnb.launch(cfg, tmp_path / "b", hosts=["-oProxyCommand=touch /tmp/x"])
+    with pytest.raises(ConfigError, match="no spaces"):
+        ddpnb.launch(cfg, tmp_path / "b", hosts=["gpu1", "my host"])
+    with pytest.raises(ConfigError, match="need hosts"):
+        ddpnb.launch(cfg, tmp_path / "c", ssh_config="x")
+    assert not Path(tmp_path / "a").exists()
