@@ -283,10 +283,11 @@ def worker_speed(data: Path, work: Path, nproc: int, sizes: dict, cuda: bool) ->
         "nproc": nproc,
         "images_per_second_per_gpu": statistics.mean(per_rank),
         "slowest_rank": min(per_rank),
-        "decode_seconds": rows[-1].get("decode_seconds"),
+        "decode_seconds": rows[-1].get("decode_seconds", math.nan),
         "steps_timed": sum(steps),
+        # On CUDA this also holds the stream syncs that pageable host copies cause.
         "data_wait_share": statistics.mean(
-            rec["data_wait_seconds"] / rec["train_seconds"] for rec in ranks[0][1:]
+            rec.get("data_wait_seconds", math.nan) / rec["train_seconds"] for rec in ranks[0][1:]
         ),
         "wall_seconds": time.perf_counter() - t0,
     }
@@ -323,7 +324,15 @@ def machine_line(cuda: bool, ngpu: int) -> str:
     import torch
 
     if cuda:
-        gpu = f"{ngpu} x {torch.cuda.get_device_name(0)}"  # in this process only for the name
+        # Asked in a child process: this one plays the notebook kernel and must not
+        # initialise CUDA (step a checks that it did not).
+        name = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout.strip()
+        gpu = f"{ngpu} x {name or 'CUDA device'}"
     else:
         gpu = "no GPU (--allow-cpu: the figures mean nothing)"
     return (
@@ -338,6 +347,11 @@ def step_a(work: Path, nproc: int, cuda: bool, quick: bool) -> list[str]:
         summary = launch_and_resume(cfg, work / f"check-{name}", nproc, n_val, cuda)
         lines.append(f"a {name}: ok: {summary}")
         say(f"gpu-check: {lines[-1]}")
+    import torch
+
+    check(not torch.cuda.is_initialized(), "launching initialised CUDA in the launching process")
+    lines.append("a the launching process never initialised CUDA: ok")
+    say(f"gpu-check: {lines[-1]}")
     return lines
 
 
@@ -401,8 +415,8 @@ def steps_b_c(work: Path, ngpu: int, cuda: bool, quick: bool, peak: float) -> li
     return lines
 
 
-def record(lines: list[str], machine: str, quick: bool) -> Path:
-    path = HERE / "results.md"
+def record(lines: list[str], machine: str, quick: bool, path: Path = HERE / "results.md") -> Path:
+    """Append a dated section holding the summary lines to ``path`` (bench/results.md)."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = [
         "",

@@ -82,6 +82,17 @@ def test_gpu_check_step_a_runs_on_cpu(tmp_path):
     assert all("gloo 2x" in ln and "resumed 1->2" in ln for ln in ok), out.stdout
 
 
+def test_record_appends_a_dated_section(tmp_path):
+    """--record's writer, which otherwise runs only at the end of a GPU run."""
+    gpu_check = load_gpu_check()
+    path = tmp_path / "results.md"
+    path.write_text("# Benchmark results\n")
+    gpu_check.record(["b worker / bare loop: 0.970"], "1 x GPU", quick=True, path=path)
+    text = path.read_text()
+    assert text.startswith("# Benchmark results\n\n## GPU check (--quick, ")
+    assert "Machine: 1 x GPU." in text and "\n- b worker / bare loop: 0.970\n" in text
+
+
 KERNEL = """
 import json, sys
 import ddpnb
@@ -150,6 +161,7 @@ def test_backend_env_knobs_reach_the_workers(tiny_data, tmp_path, monkeypatch):
         batch_size=8,
         max_steps_per_epoch=1,
         timeout_seconds=30,
+        backend="gloo",  # two ranks on any machine, one GPU or none
     )
     job = ddpnb.launch(
         cfg,
