@@ -46,7 +46,10 @@ def node_commands(
     """The exact ``torchrun`` command to paste on each host (``hosts[0]`` is the master).
 
     ``rendezvous="static"`` gives each host its ``--node_rank`` and ``--master_addr``;
-    ``"c10d"`` uses an elastic rendezvous hosted on the first host. ``run_dir`` is where
+    ``"c10d"`` uses an elastic rendezvous hosted on the first host. Each c10d line
+    names its own host (``--local_addr``) and the first says it hosts the store
+    (``is_host=1``): torchrun would otherwise guess both from the machine's host
+    name, which on clusters with a separate training network resolves elsewhere. ``run_dir`` is where
     ``train_ddp.py`` and ``config.json`` sit on every node. ``node_rank`` returns that
     one node's line only.
 
@@ -77,7 +80,7 @@ def node_commands(
     run_dir = Path(run_dir)
     tail = [str(run_dir / WORKER_NAME), "--config", str(run_dir / "config.json")]
     lines = []
-    for rank, _host in enumerate(hosts):
+    for rank, host in enumerate(hosts):
         if rendezvous == "static":
             opts = topology.torchrun_args(rank)
         else:
@@ -88,7 +91,8 @@ def node_commands(
                 f"--rdzv_endpoint={hosts[0]}:{master_port}",
                 # Unique per run directory, so two jobs on one endpoint cannot collide.
                 f"--rdzv_id=ddpnb-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}",
-                f"--rdzv_conf=join_timeout={rdzv_timeout}",
+                f"--rdzv_conf=join_timeout={rdzv_timeout},is_host={int(rank == 0)}",
+                f"--local_addr={host}",
                 f"--max_restarts={max_restarts}",
             ]
         lines.append(shlex.join(["torchrun", *opts, *tail]))

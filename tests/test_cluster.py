@@ -28,10 +28,13 @@ def test_static_node_commands():
         assert argv[-3:] == ["/shared/run/train_ddp.py", "--config", "/shared/run/config.json"]
 
 
-def test_c10d_node_commands_are_identical_on_every_host():
+def test_c10d_node_commands_name_their_host_and_the_store_host():
     cmds = ddpnb.node_commands(ddpnb.TrainConfig(), "/r", hosts=["a", "b", "c"], rendezvous="c10d")
-    assert len(set(cmds)) == 1
-    assert "--rdzv_backend=c10d" in cmds[0] and "--rdzv_endpoint=a:29500" in cmds[0]
+    assert all("--rdzv_backend=c10d" in c and "--rdzv_endpoint=a:29500" in c for c in cmds)
+    # torchrun would guess both from the host name, which may resolve to another network.
+    assert [c.count("is_host=1") for c in cmds] == [1, 0, 0]
+    assert [f"--local_addr={h}" in c for h, c in zip("abc", cmds)] == [True] * 3
+    assert len({c.replace("is_host=1", "is_host=0").split("--local_addr")[0] for c in cmds}) == 1
 
 
 def test_node_rank_must_be_below_nnodes():

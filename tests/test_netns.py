@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -130,3 +131,35 @@ def test_two_nodes_over_a_veth_link_then_the_link_is_cut(veth_pair, tiny_data, t
     assert "resume=True" in result["message"]
     print(f"survivor stopped {elapsed:.1f} s after the cut")
     assert elapsed < cfg.timeout_seconds + 30, elapsed
+
+
+def test_printed_c10d_lines_train_on_a_second_network(veth_pair, tiny_data, tmp_path):
+    # The namespaces' addresses are not what this machine's host name resolves to (the
+    # usual case on clusters with a separate training network): torchrun must not guess.
+    (ns_a, ns_b), (dev_a, dev_b), addrs = veth_pair
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_data, threads=1)
+    ddpnb.write_worker(cfg, run)
+    lines = ddpnb.node_commands(cfg, run, hosts=list(addrs), master_port=29618, rendezvous="c10d")
+    procs = []
+    try:
+        for ns, dev, line in zip((ns_a, ns_b), (dev_a, dev_b), lines):
+            argv = shlex.split(line)  # exactly as printed, run as a user pastes it
+            assert argv[0] == "torchrun"
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "OMP_NUM_THREADS": "1"}
+            log = open(tmp_path / f"{ns}.log", "wb")  # noqa: SIM115 (closed below)
+            procs.append((log, subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", *argv[1:]],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )))  # fmt: skip
+        codes = [p.wait(timeout=120) for _, p in procs]
+    finally:
+        for log, p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            log.close()
+    logs = {ns: (tmp_path / f"{ns}.log").read_text()[-1500:] for ns in (ns_a, ns_b)}
+    assert codes == [0, 0], logs
+    final = ddpnb.load_metrics(run).final
+    assert final["world_size"] == 2 and final["epoch"] == cfg.epochs
