@@ -82,6 +82,20 @@ def test_gpu_check_step_a_runs_on_cpu(tmp_path):
     assert all("gloo 2x" in ln and "resumed 1->2" in ln for ln in ok), out.stdout
 
 
+@pytest.mark.slow
+def test_step_a_checks_can_fail(layout_run):
+    """The assertions gpu_check makes on a run: they hold on a good run and name a bad count."""
+    gpu_check = load_gpu_check()
+    job = layout_run("1x2")  # tiny_data: 37 val images, 2 epochs, gloo
+    gpu_check.check_epochs(job.run_dir, 2, 2, 37, cuda=False)
+    with pytest.raises(gpu_check.CheckFailed, match="val_samples 37, expected 36"):
+        gpu_check.check_epochs(job.run_dir, 2, 2, 36, cuda=False)
+    with pytest.raises(gpu_check.CheckFailed, match="backend 'gloo', expected nccl"):
+        gpu_check.check_epochs(job.run_dir, 2, 2, 37, cuda=True)
+    with pytest.raises(gpu_check.CheckFailed, match="epochs recorded"):
+        gpu_check.check_epochs(job.run_dir, 3, 2, 37, cuda=False)
+
+
 def test_record_appends_a_dated_section(tmp_path):
     """--record's writer, which otherwise runs only at the end of a GPU run."""
     gpu_check = load_gpu_check()
