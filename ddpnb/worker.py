@@ -1,5 +1,13 @@
 """ddpnb's training worker: image classification with DistributedDataParallel.
 
+How to read this file: Part 1 is DDP, top to bottom; Part 2 is the machinery that makes
+it robust and measurable. Part 1 starts right below the imports with ``main()``, a list
+of named steps (who am I, the process group, the same dataset everywhere, the data with
+its ``DistributedSampler``, the model wrapped in DDP, the epoch loop, the checkpoint),
+each one a short function after it. Part 2, below its banner, holds what those steps call
+and a DDP tutorial leaves out: averaging gradients through shared memory, timing, the
+progress and metrics files, fault injection, the agent watchdog, checkpoint guards.
+
 This file needs only torch, torchvision and the Python standard library, so it can
 be copied to any cluster node together with its ``config.json``. ddpnb writes both
 into the run directory; the outputs (``metrics.jsonl``, ``ranks/``,
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import datetime
 import errno
 import hashlib
@@ -52,6 +61,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -63,6 +73,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import transforms
+
+# =============================================================================
+# Part 2: the machinery (what Part 1 calls to be robust and measurable)
+# =============================================================================
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -78,10 +92,350 @@ PITFALL_SWITCHES = {
     "reduce_sums": "metrics are the mean of per-rank means, not reduced sums and counts",
     "thread_budget": "each process takes torch's default thread count: cores oversubscribed",
 }
+# Fields that may change on resume without invalidating the checkpoint: how long to
+# train and wait, and how gradients travel (the averaged values are the same).
+RESUMABLE_KEYS = ("epochs", "timeout_seconds", "comm_hook", "bucket_cap_mb")
 
 
-# -----------------------------------------------------------------------------
-# helpers (pure functions; the training itself is in main() below)
+# -- around every step: timings, progress.json, fault injection, the agent watchdog ------
+
+
+class Monitor:
+    """Everything Part 1 does besides training, in one place.
+
+    It writes ``progress.json`` (phases ``joined``, ``train``, ``done``), the per-epoch
+    rows of ``metrics.jsonl`` (rank 0) and ``ranks/rank-N.jsonl`` (every rank) and
+    ``effective_config.json``; it times data, compute and exposed communication; it
+    injects ``DDPNB_FAULT``; and it stops this worker if its torchrun agent is gone.
+    """
+
+    def __init__(self, cfg: dict, me: Rank, run_dir: Path) -> None:
+        self.cfg, self.me, self.run_dir = cfg, me, run_dir
+        self.fault = (
+            parse_fault(os.environ["DDPNB_FAULT"]) if os.environ.get("DDPNB_FAULT") else None
+        )
+        self.agent_pid = os.getppid()  # torchrun's agent; if it dies, this node is lost: stop too
+        self.progress_path = run_dir / "progress.json"
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.rank_path = run_dir / "ranks" / f"rank-{me.global_rank}.jsonl"
+        self.comm = {"blocked": 0.0, "returned": None}  # the comm hook's timing of each step
+        self.backward_end = self.batch_ready = 0.0
+        self.last_progress = 0.0
+        self.first_step_time = None  # launch latency is measured up to here
+        self.epoch = self.steps = 0
+        self.order_hash = ""
+        self.data_wait = self.compute = self.comm_wait = 0.0
+        self.epoch_start = self.train_seconds = 0.0
+
+    def joined(self) -> None:
+        if self.me.master_process:
+            joined = {
+                "phase": "joined",
+                "world_size": self.me.world_size,
+                "time": time.time(),
+                "restart_count": self.me.restart_count,
+            }
+            atomic_write_bytes(self.progress_path, json.dumps(joined).encode())
+
+    def watch(self, model: nn.Module, optimizer, cfg: dict, backend: str) -> str:
+        """Register the comm hook that averages and times gradients; returns how they travel."""
+        # optimizer.step() starts the moment backward returns: backward's end, for the timing.
+        optimizer.register_step_pre_hook(self._backward_returned)
+        if not isinstance(model, DDP):
+            return "none (one process)"
+        shared = None
+        if cfg["comm_hook"] in ("auto", "shm") and backend == "gloo":
+            shared = SharedMemoryAllReduce.create()
+            if shared is None and cfg["comm_hook"] == "shm":
+                raise RuntimeError(
+                    "comm_hook='shm' needs every rank on one host with a shared /dev/shm, "
+                    "and these ranks are not. Use comm_hook='auto' (shared memory where it "
+                    "can, the backend's all-reduce elsewhere) or 'none'."
+                )
+        compression = cfg["comm_hook"] if cfg["comm_hook"] in ("bf16", "fp16") else "none"
+        model.register_comm_hook(self.comm, timed_comm_hook(compression, shared))
+        gradients = "shared memory" if shared else f"{backend} all-reduce ({compression})"
+        if self.me.master_process:
+            self.me.log(f"gradients are averaged through {gradients}")
+        return gradients
+
+    def _backward_returned(self, optimizer, args, kwargs) -> None:
+        self.backward_end = time.perf_counter()
+
+    def start_run(self, start_epoch, data, device, backend, gradients, weights_note) -> None:
+        """Drop rows of the epochs to redo; rank 0 logs the run and writes effective_config."""
+        if self.me.master_process:
+            keep_epochs_upto(self.metrics_path, start_epoch - 1)
+        self.rank_path.parent.mkdir(parents=True, exist_ok=True)
+        keep_epochs_upto(self.rank_path, start_epoch - 1)
+        if self.me.master_process:
+            self.me.log(
+                f"{self.cfg['model']} ({weights_note}), {data.num_classes} classes, augment "
+                f"{data.augment}, pipeline {data.pipeline}, {data.steps_per_epoch} steps/epoch, "
+                f"global batch {self.cfg['batch_size'] * self.me.world_size}"
+            )
+            write_effective_config(
+                self.run_dir, self.cfg, self.me, data, device, backend, gradients, weights_note
+            )
+
+    def start_epoch(self, epoch: int, data: Data) -> Iterator:
+        """``data.train_batches(epoch)``, timed; the epoch's clock starts now."""
+        self.epoch, self.steps = epoch, data.steps_per_epoch
+        self.order_hash = index_order_hash(data.train_sampler)
+        self.data_wait = self.compute = self.comm_wait = 0.0
+        self.comm["blocked"], self.comm["returned"] = 0.0, None
+        self.epoch_start = time.perf_counter()
+        return self._timed(data.train_batches(epoch), data.device)
+
+    def _timed(self, batches: Iterator, device: torch.device) -> Iterator:
+        # Exactly steps_per_epoch batches; the wait for each is data time.
+        for _ in range(self.steps):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            self.batch_ready = time.perf_counter()
+            self.data_wait += self.batch_ready - t0
+            yield batch
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        self.train_seconds = time.perf_counter() - self.epoch_start  # the epoch's batches are done
+
+    def after_step(self, step: int, loss: torch.Tensor) -> None:
+        """Timings, DDPNB_FAULT, the agent watchdog and progress.json, after each step."""
+        self.compute += time.perf_counter() - self.batch_ready
+        if self.comm["returned"] is not None:  # time in the hook, then waiting for it alone
+            self.comm_wait += self.comm["blocked"] + self.backward_end - self.comm["returned"]
+        self.comm["blocked"], self.comm["returned"] = 0.0, None
+        if self.first_step_time is None:
+            self.first_step_time = time.time()
+        self._inject_fault(step)
+        if self.me.distributed and os.getppid() != self.agent_pid:
+            raise RuntimeError(
+                f"The torchrun agent (pid {self.agent_pid}) of node {self.me.node_rank} is gone: "
+                "this node is lost, so its worker stops too. Relaunch with resume=True."
+            )
+        now = time.perf_counter()
+        if self.me.master_process and (
+            now - self.last_progress > PROGRESS_INTERVAL or step + 1 == self.steps
+        ):
+            self.last_progress = now
+            progress = {
+                "phase": "train",
+                "epoch": self.epoch,
+                "epochs": self.cfg["epochs"],
+                "step": step + 1,
+                "steps": self.steps,
+                "loss": loss.item(),
+                "restart_count": self.me.restart_count,
+                "time": time.time(),
+                "first_step_time": self.first_step_time,
+            }
+            atomic_write_bytes(self.progress_path, json.dumps(progress).encode(), durable=False)
+
+    def _inject_fault(self, step: int) -> None:
+        fault, me, epoch = self.fault, self.me, self.epoch
+        if (
+            fault
+            and me.global_rank == fault["rank"]
+            and epoch == fault["epoch"]
+            and step == fault["step"]
+            and me.restart_count == fault["restart"]
+        ):
+            me.log(f"DDPNB_FAULT: {fault['mode']} at epoch {epoch} step {step}")
+            if fault["mode"] == "raise":
+                raise RuntimeError(f"DDPNB_FAULT injected failure at epoch {epoch} step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def write_metrics(self, epoch, metrics, train_sums, val_sums, model, scheduler, data) -> None:
+        """This rank's row in ranks/; rank 0 also writes the run's row in metrics.jsonl."""
+        param_checksum = parameter_checksum(model)  # after sync_buffers: equal on every rank
+        local_train_samples = int(train_sums[2].item())
+        epoch_seconds = time.perf_counter() - self.epoch_start
+        me, train_seconds = self.me, self.train_seconds
+        append_jsonl(
+            self.rank_path,
+            {
+                "epoch": epoch,
+                "global_rank": me.global_rank,
+                "local_rank": me.local_rank,
+                "node_rank": me.node_rank,
+                "train_samples": local_train_samples,
+                "val_samples": int(val_sums[2].item()),
+                "images_per_second": local_train_samples / train_seconds,
+                "data_wait_seconds": self.data_wait,
+                "compute_seconds": self.compute - self.comm_wait,
+                "comm_seconds": self.comm_wait,
+                "restart_count": me.restart_count,
+                "train_seconds": train_seconds,
+                "threads": torch.get_num_threads(),
+                "val_loss": metrics["rank_means"][2],
+                "val_acc": metrics["rank_means"][3],
+                "order_hash": self.order_hash,
+                "param_checksum": param_checksum,
+            },
+        )
+        if me.master_process:
+            row = {
+                "epoch": epoch,
+                "world_size": me.world_size,
+                "train_loss": metrics["train_loss"],
+                "train_acc": metrics["train_acc"],
+                "val_loss": metrics["val_loss"],
+                "val_acc": metrics["val_acc"],
+                "train_samples": metrics["train_samples"],
+                "val_samples": metrics["val_samples"],
+                "epoch_seconds": epoch_seconds,
+                "images_per_second": metrics["train_samples"] / train_seconds,
+                "restart_count": me.restart_count,
+                "decode_seconds": data.decode_seconds,
+                "lr": scheduler.get_last_lr()[0],
+                "val_loss_exact": metrics["val_loss"],
+                "val_acc_exact": metrics["val_acc"],
+            }
+            if not self.cfg["reduce_sums"]:  # pitfall: report the mean of per-rank means
+                keys = ["train_loss", "train_acc", "val_loss", "val_acc"]
+                row.update(zip(keys, metrics["mean_of_means"]))
+            append_jsonl(self.metrics_path, row)
+            me.log(
+                f"epoch {epoch}/{self.cfg['epochs']} train_loss {row['train_loss']:.4f} "
+                f"val_acc {row['val_acc']:.4f} {row['images_per_second']:.0f} img/s"
+            )
+
+    def done(self, steps_per_epoch: int) -> None:
+        if self.me.master_process:
+            done = {
+                "phase": "done",
+                "epoch": self.cfg["epochs"],
+                "epochs": self.cfg["epochs"],
+                "step": steps_per_epoch,
+                "steps": steps_per_epoch,
+                "time": time.time(),
+                "restart_count": self.me.restart_count,
+                "first_step_time": self.first_step_time,
+            }
+            atomic_write_bytes(self.progress_path, json.dumps(done).encode())
+
+
+def parse_fault(spec: str) -> dict:
+    """Parse DDPNB_FAULT ('rank=1,epoch=3,step=5[,mode=kill|raise][,restart=0]')."""
+    fault = {"rank": 0, "epoch": 1, "step": 0, "mode": "kill", "restart": 0}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, _, value = item.partition("=")
+        if key not in fault:
+            raise ValueError(f"DDPNB_FAULT: unknown key {key!r} in {spec!r}")
+        fault[key] = value if key == "mode" else int(value)
+    return fault
+
+
+def write_effective_config(run_dir, cfg, me, data, device, backend, gradients, weights_note):
+    """What "auto" and the defaults became on this run, next to config.json."""
+    effective = {
+        **cfg,
+        "augment": data.augment,
+        "augment_requested": cfg["augment"],
+        "augment_reason": data.augment_reason,
+        "backend": backend if me.distributed else "none",
+        "device": str(device),
+        "world_size": me.world_size,
+        "local_world_size": me.local_world_size,
+        "threads": torch.get_num_threads(),  # per process (rank 0's)
+        "pipeline": data.pipeline,
+        "gradients": gradients,
+        "num_classes": data.num_classes,
+        "steps_per_epoch": data.steps_per_epoch,
+        "global_batch_size": cfg["batch_size"] * me.world_size,
+        "weights_note": weights_note,
+        "restart_count": me.restart_count,
+    }
+    atomic_write_bytes(
+        run_dir / "effective_config.json", (json.dumps(effective, indent=2) + "\n").encode()
+    )
+
+
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write via a temp file, fsync and rename, so readers never see half a file.
+
+    ``durable=False`` skips the fsync: the rename alone keeps readers safe, and the live
+    progress file, rewritten 4 times a second, need not survive a power cut (an fsync
+    there stalls rank 0, and with it every rank, at the next all-reduce).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, record_: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record_) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def keep_epochs_upto(path: Path, last_epoch: int) -> None:
+    """Drop lines of epochs after last_epoch: they are redone after a restart."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln)["epoch"] <= last_epoch]
+    if len(kept) != len(lines):
+        atomic_write_bytes(path, "".join(ln + "\n" for ln in kept).encode())
+
+
+def index_order_hash(indices) -> str:
+    """16 hex digits of sha256 over an index order: equal orders, equal hashes."""
+    return hashlib.sha256(",".join(map(str, indices)).encode()).hexdigest()[:16]
+
+
+def parameter_checksum(model: nn.Module) -> str:
+    """16 hex digits of sha256 over parameters and buffers (identical copies match)."""
+    digest = hashlib.sha256()
+    for p in [*model.parameters(), *model.buffers()]:
+        x = p.detach().cpu().contiguous()
+        # A plain memory copy: bytes(storage) would walk the elements one by one.
+        digest.update(ctypes.string_at(x.data_ptr(), x.numel() * x.element_size()))
+    return digest.hexdigest()[:16]
+
+
+# -- the process: threads, pitfall warnings, the rendezvous store ---------------------
+
+
+def set_thread_budget(cfg: dict, me: Rank) -> None:
+    """Intra-op threads: config.threads, else this process's share of the host's cores."""
+    procs_on_host = int(os.environ.get("DDPNB_PROCS_ON_HOST", me.local_world_size))
+    if cfg["threads"] or cfg["thread_budget"]:  # pitfall thread_budget=False: torch's default
+        torch.set_num_threads(cfg["threads"] or threads_for_host(procs_on_host))
+
+
+def threads_for_host(procs_on_host: int, cores: int | None = None) -> int:
+    # Each process gets its share of the host's cores: N simulated nodes x P processes
+    # with default threads each would oversubscribe the cores (8x slower measured).
+    # ``cores``: another host's count (the SSH launcher asks each host for its own).
+    return max(1, (cores or os.cpu_count() or 1) // max(1, procs_on_host))
+
+
+def warn_about_pitfalls(cfg: dict, me: Rank) -> None:
+    """Once in every node's log: each pitfall switch that is off (notebook 06)."""
+    if me.local_rank == 0:
+        for name, harm in PITFALL_SWITCHES.items():
+            if not cfg[name]:
+                me.log(f"WARNING: pitfall switch {name} is OFF ({harm}); wrong on purpose.")
+
+
+def attempt_store(restart_count: int, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's rendezvous store, seen through a key prefix of this attempt's own."""
+    # torchrun's static rendezvous keeps one store for every attempt: after a restart the
+    # new workers would read the dead workers' addresses from it and hang. A prefix per
+    # attempt gives each attempt clean keys.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"ddpnb/attempt_{restart_count}", store)
+
+
+# -- the same dataset on every node ----------------------------------------------------
 
 
 def dataset_files(root: str | os.PathLike) -> list[tuple[str, Path]]:
@@ -113,127 +467,7 @@ def dataset_fingerprint(root: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def parse_fault(spec: str) -> dict:
-    """Parse DDPNB_FAULT ('rank=1,epoch=3,step=5[,mode=kill|raise][,restart=0]')."""
-    fault = {"rank": 0, "epoch": 1, "step": 0, "mode": "kill", "restart": 0}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        key, _, value = item.partition("=")
-        if key not in fault:
-            raise ValueError(f"DDPNB_FAULT: unknown key {key!r} in {spec!r}")
-        fault[key] = value if key == "mode" else int(value)
-    return fault
-
-
-def threads_for_host(procs_on_host: int) -> int:
-    # Each process gets its share of the host's cores: N simulated nodes x P processes
-    # with default threads each would oversubscribe the cores (8x slower measured).
-    return max(1, (os.cpu_count() or 1) // max(1, procs_on_host))
-
-
-def index_order_hash(indices) -> str:
-    """16 hex digits of sha256 over an index order: equal orders, equal hashes."""
-    return hashlib.sha256(",".join(map(str, indices)).encode()).hexdigest()[:16]
-
-
-def sync_buffers(model: nn.Module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running statistics)."""
-    for b in model.buffers():
-        dist.broadcast(b, src=0)
-
-
-def parameter_checksum(model: nn.Module) -> str:
-    """16 hex digits of sha256 over parameters and buffers (identical copies match)."""
-    digest = hashlib.sha256()
-    for p in [*model.parameters(), *model.buffers()]:
-        x = p.detach().cpu().contiguous()
-        # A plain memory copy: bytes(storage) would walk the elements one by one.
-        digest.update(ctypes.string_at(x.data_ptr(), x.numel() * x.element_size()))
-    return digest.hexdigest()[:16]
-
-
-def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
-    """Give a torchvision classifier a fresh final layer with num_classes outputs."""
-    if isinstance(getattr(model, "fc", None), nn.Linear):  # ResNet, RegNet, GoogLeNet...
-        model.fc = nn.Linear(model.fc.in_features, num_classes)
-        return model
-    for owner_name in ("classifier", "heads", "head"):
-        owner = getattr(model, owner_name, None)
-        if isinstance(owner, nn.Linear):
-            setattr(model, owner_name, nn.Linear(owner.in_features, num_classes))
-            return model
-        if isinstance(owner, nn.Sequential):
-            # The last Linear (VGG, EfficientNet, ViT) or 1x1 Conv (SqueezeNet) is the head.
-            for i in reversed(range(len(owner))):
-                layer = owner[i]
-                if isinstance(layer, nn.Linear):
-                    owner[i] = nn.Linear(layer.in_features, num_classes)
-                    return model
-                if isinstance(layer, nn.Conv2d):
-                    owner[i] = nn.Conv2d(layer.in_channels, num_classes, layer.kernel_size)
-                    return model
-    raise ValueError(f"Cannot find the classification head of {type(model).__name__}.")
-
-
-def read_state_dict(path: str) -> dict:
-    """A state dict (name -> tensor) from a file, or from a ddpnb checkpoint's model."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"weights file {path} cannot be loaded as a state dict: {e}") from e
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]  # a ddpnb checkpoint
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"weights file {path} does not hold a state dict (name -> tensor).")
-    return state
-
-
-def load_local_weights(model: nn.Module, path: str) -> list[str]:
-    """Load a state-dict file, skipping head tensors whose shapes no longer fit."""
-    state = read_state_dict(path)
-    own = model.state_dict()
-    skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
-    state = {k: v for k, v in state.items() if k not in skipped}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in skipped]
-    if missing or unexpected:
-        raise ValueError(
-            f"weights={path!r} does not fit model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    return skipped
-
-
-def build_model(cfg: dict, num_classes: int) -> tuple[nn.Module, str]:
-    weights = cfg["weights"]
-    note = "random init"
-    if weights is not None and weights != "DEFAULT" and not Path(weights).is_file():
-        raise FileNotFoundError(f"weights file {weights!r} does not exist.")
-    try:
-        model = torchvision.models.get_model(
-            cfg["model"], weights="DEFAULT" if weights == "DEFAULT" else None, **cfg["model_kwargs"]
-        )
-    except OSError as e:  # URLError is an OSError: no network for the download
-        raise RuntimeError(
-            f"Could not download the pretrained weights of {cfg['model']} ({e}). No network is "
-            "available: pass weights=None to train from scratch, or the path of a local "
-            "state-dict file."
-        ) from e
-    if weights == "DEFAULT":
-        note = "torchvision DEFAULT weights"
-    replace_head(model, num_classes)
-    if weights not in (None, "DEFAULT"):
-        skipped = load_local_weights(model, weights)
-        note = f"weights from {weights}" + (f" (head re-initialised: {skipped})" if skipped else "")
-    return model, note
-
-
-def make_sgd(params, cfg: dict) -> torch.optim.Optimizer:
-    # The fused kernel updates every tensor in one pass: measured 33 -> 10 ms per step for
-    # resnet18 on one CPU core, the same update up to float rounding. Older builds lack it.
-    kwargs = dict(lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
-    try:
-        return torch.optim.SGD(params, fused=True, **kwargs)
-    except (RuntimeError, TypeError, ValueError):
-        return torch.optim.SGD(params, **kwargs)
+# -- gradients: averaged through shared memory where ranks share a host, and timed -----
 
 
 class SharedMemoryAllReduce:
@@ -383,6 +617,86 @@ def timed_comm_hook(compression: str, shared: SharedMemoryAllReduce | None = Non
     return hook
 
 
+def no_forward_buffer_sync() -> dict:
+    """DDP's keyword for "do not broadcast buffers before every forward".
+
+    torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (the old name
+    warns on every rank). The new flag still syncs buffers once at construction, which
+    changes nothing here: every rank builds the same model from the same seed.
+    """
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+# -- data: ImageFolders, augmentation, the in-memory pipeline --------------------------
+
+
+def image_folders(cfg: dict, me: Rank, data_dir: Path):
+    """The train and val ImageFolders with their transforms, and the augmentation chosen."""
+    augment, augment_reason = resolve_augment(cfg, data_dir)
+    if me.master_process:
+        me.log(f"augment {augment_reason}")
+    train_tf, val_tf = loader_transforms(augment, cfg["image_size"])
+    train_set = torchvision.datasets.ImageFolder(
+        data_dir / "train", transform=train_tf, loader=load_image
+    )
+    val_set = torchvision.datasets.ImageFolder(
+        data_dir / "val", transform=val_tf, loader=load_image
+    )
+    if train_set.classes != val_set.classes:
+        raise ValueError(f"train/ and val/ of {data_dir} hold different classes.")
+    return train_set, val_set, augment, augment_reason
+
+
+def choose_pipeline(cfg: dict, train_set, val_set) -> str:
+    """config.pipeline; "auto" is "memory" when every decoded image fits in RAM."""
+    if cfg["pipeline"] != "auto":
+        return cfg["pipeline"]
+    need = (len(train_set) + len(val_set)) * 3 * cfg["image_size"] ** 2
+    return "memory" if need <= MEMORY_PIPELINE_BYTES else "loader"
+
+
+def memory_batches(cfg, me, train_set, val_set, train_sampler, val_indices, augment, device):
+    """(train_batches, val_batches, decode_seconds) of the in-memory pipeline.
+
+    Decoded once; batches are slices, augmented on tensors: no per-sample collation
+    and no DataLoader processes competing with compute on a small host.
+    """
+    size, batch_size = cfg["image_size"], cfg["batch_size"]
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+    decode_start = time.perf_counter()
+    train_images, train_labels = decode_all(train_set.samples, size)
+    val_images, val_labels = decode_all([val_set.samples[i] for i in val_indices], size)
+    decode_seconds = time.perf_counter() - decode_start
+
+    def train_batches(epoch: int):
+        # Augmentation randomness depends only on (seed, rank, epoch): a resumed epoch
+        # sees exactly what the uninterrupted one saw.
+        seed = cfg["seed"] * 1_000_003 + me.global_rank * 1009 + epoch
+        gen = torch.Generator().manual_seed(seed)
+        order = torch.tensor(list(train_sampler), dtype=torch.long)
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            x = train_images[idx].to(device, non_blocking=True).float().div_(255)
+            x = augment_batch(x, augment, gen)
+            yield (x - mean) / std, train_labels[idx].to(device, non_blocking=True)
+
+    def val_batches():
+        for start in range(0, len(val_labels), batch_size):
+            x = val_images[start : start + batch_size].to(device).float().div_(255)
+            yield (x - mean) / std, val_labels[start : start + batch_size].to(device)
+
+    return train_batches, val_batches, decode_seconds
+
+
+def on_device(loader: DataLoader, device: torch.device, non_blocking: bool) -> Iterator:
+    """A DataLoader's (x, y) batches, moved to the device."""
+    for x, y in loader:
+        yield x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+
+
 # Photo-style augmentation (crops down to 8% of the area, mirror images) suits colour
 # photographs; on small grayscale images such as digits it costs accuracy. ``auto``
 # therefore picks "photo" only for images that look like photos.
@@ -439,18 +753,6 @@ def resolve_augment(cfg: dict, data_dir: Path) -> tuple[str, str]:
     if is_colour and side >= PHOTO_MIN_SIDE:
         return "photo", f"auto -> photo: {kind}, photo-like; set augment='none' to opt out"
     return "none", f"auto -> none: {kind}, not photo-like; set augment='photo' to opt in"
-
-
-def no_forward_buffer_sync() -> dict:
-    """DDP's keyword for "do not broadcast buffers before every forward".
-
-    torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (the old name
-    warns on every rank). The new flag still syncs buffers once at construction, which
-    changes nothing here: every rank builds the same model from the same seed.
-    """
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
 
 
 def loader_transforms(augment: str, size: int) -> tuple[transforms.Compose, transforms.Compose]:
@@ -526,37 +828,143 @@ def augment_batch(x: torch.Tensor, augment: str, gen: torch.Generator) -> torch.
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
-def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
-    """Write via a temp file, fsync and rename, so readers never see half a file.
+# -- the model ------------------------------------------------------------------------
 
-    ``durable=False`` skips the fsync: the rename alone keeps readers safe, and the live
-    progress file, rewritten 4 times a second, need not survive a power cut (an fsync
-    there stalls rank 0, and with it every rank, at the next all-reduce).
-    """
+
+def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
+    """Give a torchvision classifier a fresh final layer with num_classes outputs."""
+    if isinstance(getattr(model, "fc", None), nn.Linear):  # ResNet, RegNet, GoogLeNet...
+        model.fc = nn.Linear(model.fc.in_features, num_classes)
+        return model
+    for owner_name in ("classifier", "heads", "head"):
+        owner = getattr(model, owner_name, None)
+        if isinstance(owner, nn.Linear):
+            setattr(model, owner_name, nn.Linear(owner.in_features, num_classes))
+            return model
+        if isinstance(owner, nn.Sequential):
+            # The last Linear (VGG, EfficientNet, ViT) or 1x1 Conv (SqueezeNet) is the head.
+            for i in reversed(range(len(owner))):
+                layer = owner[i]
+                if isinstance(layer, nn.Linear):
+                    owner[i] = nn.Linear(layer.in_features, num_classes)
+                    return model
+                if isinstance(layer, nn.Conv2d):
+                    owner[i] = nn.Conv2d(layer.in_channels, num_classes, layer.kernel_size)
+                    return model
+    raise ValueError(f"Cannot find the classification head of {type(model).__name__}.")
+
+
+def read_state_dict(path: str) -> dict:
+    """A state dict (name -> tensor) from a file, or from a ddpnb checkpoint's model."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"weights file {path} cannot be loaded as a state dict: {e}") from e
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]  # a ddpnb checkpoint
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"weights file {path} does not hold a state dict (name -> tensor).")
+    return state
+
+
+def load_local_weights(model: nn.Module, path: str) -> list[str]:
+    """Load a state-dict file, skipping head tensors whose shapes no longer fit."""
+    state = read_state_dict(path)
+    own = model.state_dict()
+    skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+    state = {k: v for k, v in state.items() if k not in skipped}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in skipped]
+    if missing or unexpected:
+        raise ValueError(
+            f"weights={path!r} does not fit model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return skipped
+
+
+def build_model(cfg: dict, num_classes: int) -> tuple[nn.Module, str]:
+    weights = cfg["weights"]
+    note = "random init"
+    if weights is not None and weights != "DEFAULT" and not Path(weights).is_file():
+        raise FileNotFoundError(f"weights file {weights!r} does not exist.")
+    try:
+        model = torchvision.models.get_model(
+            cfg["model"], weights="DEFAULT" if weights == "DEFAULT" else None, **cfg["model_kwargs"]
+        )
+    except OSError as e:  # URLError is an OSError: no network for the download
+        raise RuntimeError(
+            f"Could not download the pretrained weights of {cfg['model']} ({e}). No network is "
+            "available: pass weights=None to train from scratch, or the path of a local "
+            "state-dict file."
+        ) from e
+    if weights == "DEFAULT":
+        note = "torchvision DEFAULT weights"
+    replace_head(model, num_classes)
+    if weights not in (None, "DEFAULT"):
+        skipped = load_local_weights(model, weights)
+        note = f"weights from {weights}" + (f" (head re-initialised: {skipped})" if skipped else "")
+    return model, note
+
+
+def make_sgd(params, cfg: dict) -> torch.optim.Optimizer:
+    # The fused kernel updates every tensor in one pass: measured 33 -> 10 ms per step for
+    # resnet18 on one CPU core, the same update up to float rounding. Older builds lack it.
+    kwargs = dict(lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
+    try:
+        return torch.optim.SGD(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.SGD(params, **kwargs)
+
+
+# -- checkpoints and random number generator states -----------------------------------
+
+
+def checkpoint_config(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in RESUMABLE_KEYS}
+
+
+def check_checkpoint_fits(ckpt: dict, path: Path, cfg: dict, fingerprint: str) -> None:
+    """Refuse a checkpoint written with another config, or trained on another dataset."""
+    # A field the checkpoint predates (written by an older ddpnb) is not compared
+    # here; the launcher has compared it with that field's default.
+    changed = sorted(
+        k for k in checkpoint_config(cfg) if k in ckpt["config"] and ckpt["config"][k] != cfg[k]
+    )
+    if changed:
+        raise RuntimeError(
+            f"{path} was written with a different config (changed: {changed}). "
+            "Resume with the original config, or start a new run (another run_dir, "
+            "or overwrite=True)."
+        )
+    if ckpt["fingerprint"] != fingerprint:
+        raise RuntimeError(
+            f"{path} was trained on another dataset (fingerprint "
+            f"{ckpt['fingerprint'][:12]}, now {fingerprint[:12]}). Resume on the original "
+            "data, or start a new run."
+        )
+
+
+def write_checkpoint(ckpt: dict, path: Path, epoch: int) -> None:
+    """torch.save via a temp file, fsync and rename; a failed write keeps the previous one."""
+    path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
             f.flush()
             os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def append_jsonl(path: Path, record_: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record_) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def keep_epochs_upto(path: Path, last_epoch: int) -> None:
-    """Drop lines of epochs after last_epoch: they are redone after a restart."""
-    if not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln)["epoch"] <= last_epoch]
-    if len(kept) != len(lines):
-        atomic_write_bytes(path, "".join(ln + "\n" for ln in kept).encode())
+        os.replace(tmp, path)  # the previous checkpoint survives a failed write
+    except (OSError, RuntimeError) as e:  # torch.save wraps write errors
+        tmp.unlink(missing_ok=True)
+        kept = "is kept intact" if path.exists() else "does not exist yet"
+        free = shutil.disk_usage(path.parent).free
+        raise OSError(
+            getattr(e, "errno", None) or errno.EIO,
+            f"Could not write the checkpoint of epoch {epoch} to {path} "
+            f"({e}; {free / 2**20:.1f} MiB free there). The previous checkpoint "
+            f"{kept}. Free space on that filesystem (or choose another run_dir), "
+            "then relaunch with resume=True",
+        ) from e
 
 
 def rng_state(use_cuda: bool) -> dict:
@@ -575,38 +983,52 @@ def set_rng_state(state: dict, use_cuda: bool) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def join_process_group(
-    backend: str, timeout_seconds: int, rank: int, world_size: int, restart_count: int
-) -> None:
-    """Join the run's default process group (``dist.init_process_group``)."""
-    timeout = datetime.timedelta(seconds=timeout_seconds)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    # torchrun's static rendezvous keeps one store for every attempt: after a restart the
-    # new workers would read the dead workers' addresses from it and hang. A prefix per
-    # attempt gives each attempt clean keys.
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-    )
-    store = dist.PrefixStore(f"ddpnb/attempt_{restart_count}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+# =============================================================================
+# Part 1: DDP, top to bottom
+# =============================================================================
 
 
-# Fields that may change on resume without invalidating the checkpoint: how long to
-# train and wait, and how gradients travel (the averaged values are the same).
-RESUMABLE_KEYS = ("epochs", "timeout_seconds", "comm_hook", "bucket_cap_mb")
+@record  # a failing rank's own traceback reaches torchrun's error report
+def main(argv: list[str] | None = None) -> None:
+    """Train this process's share of the run; each line is one step of DDP."""
+    cfg, run_dir, data_dir = read_config(argv)
+    me = who_am_i()
+    monitor = Monitor(cfg, me, run_dir)  # Part 2: progress.json, timings, DDPNB_FAULT, watchdog
+    device, backend = set_up_process(cfg, me)
+    warn_about_pitfalls(cfg, me)
+    fingerprint = check_same_dataset(data_dir, me)
+    monitor.joined()  # every rank got here: the rendezvous is complete
+    data = make_data(cfg, me, data_dir, device)
+
+    torch.manual_seed(cfg["seed"])  # identical init everywhere (DDP also broadcasts rank 0's)
+    model, weights_note = build_model(cfg, data.num_classes)
+    model = wrap_model(model.to(device, memory_format=data.memory_format), cfg, me, device)
+    raw_model = model.module if isinstance(model, DDP) else model
+    optimizer, scheduler = make_optimizer(model, cfg, data.steps_per_epoch)
+    gradients = monitor.watch(model, optimizer, cfg, backend)  # Part 2: comm hook and timing
+    ckpt_path = run_dir / "checkpoints" / "last.pt"
+    start_epoch = resume(ckpt_path, cfg, fingerprint, raw_model, optimizer, scheduler, me)
+    monitor.start_run(start_epoch, data, device, backend, gradients, weights_note)
+
+    amp = cfg["amp"] and device.type == "cuda"  # bf16 autocast on CUDA; CPU trains in fp32
+    for epoch in range(start_epoch, cfg["epochs"] + 1):
+        if cfg["set_epoch"]:  # pitfall set_epoch=False: epoch 0's order forever
+            data.train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        train_sums = train_one_epoch(model, data, optimizer, scheduler, epoch, amp, monitor)
+        val_sums = validate(model, data, amp)
+        metrics = reduce_epoch_metrics(train_sums, val_sums, me)
+        monitor.write_metrics(epoch, metrics, train_sums, val_sums, raw_model, scheduler, data)
+        save_checkpoint(ckpt_path, epoch, cfg, me, raw_model, optimizer, scheduler, fingerprint)
+        if me.distributed:
+            dist.barrier()  # nobody starts the next epoch before the checkpoint is on disk
+
+    monitor.done(data.steps_per_epoch)
+    if me.distributed:
+        dist.destroy_process_group()
 
 
-def checkpoint_config(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in RESUMABLE_KEYS}
-
-
-# -----------------------------------------------------------------------------
-
-
-@record
-def main(argv: list[str] | None = None) -> None:  # noqa: C901, PLR0915 (to split: issue 14)
+def read_config(argv: list[str] | None) -> tuple[dict, Path, Path]:
+    """The run's settings (config.json holds every TrainConfig field), run_dir and data_dir."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="config.json written by ddpnb")
     parser.add_argument("--run-dir", help="where outputs go (default: the config's folder)")
@@ -616,52 +1038,85 @@ def main(argv: list[str] | None = None) -> None:  # noqa: C901, PLR0915 (to spli
     data_dir = Path(cfg["data_dir"])
     if not data_dir.is_absolute() and not data_dir.exists():
         data_dir = run_dir / data_dir  # a relative data_dir may be relative to the run
+    return cfg, run_dir, data_dir
 
-    # -- who am I: torchrun's environment (or one plain process) -----------------
-    distributed = "RANK" in os.environ
-    global_rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    node_rank = int(os.environ.get("GROUP_RANK", 0))
-    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    master_process = global_rank == 0  # does the run's file I/O
-    fault = parse_fault(os.environ["DDPNB_FAULT"]) if os.environ.get("DDPNB_FAULT") else None
-    agent_pid = os.getppid()  # torchrun's agent; if it dies, this node is lost: stop too
 
-    # ddpnb's launcher has torchrun prefix every line with the rank already.
-    prefix = "" if os.environ.get("DDPNB_LAUNCHED") else f"[rank {global_rank}] "
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """Who this process is in the run, in torchrun's terms."""
 
-    def log(msg: str) -> None:
+    distributed: bool  # started by torchrun; False: one plain process
+    global_rank: int  # 0 .. world_size - 1 across all nodes (RANK)
+    local_rank: int  # 0 .. local_world_size - 1 on this node: picks the GPU (LOCAL_RANK)
+    world_size: int  # processes in the whole run (WORLD_SIZE)
+    local_world_size: int  # processes on this node (LOCAL_WORLD_SIZE)
+    node_rank: int  # this node's number; node 0 hosts the rendezvous (GROUP_RANK)
+    restart_count: int  # torchrun restarts so far (TORCHELASTIC_RESTART_COUNT)
+
+    @property
+    def master_process(self) -> bool:
+        return self.global_rank == 0  # does the run's file I/O
+
+    def log(self, msg: str) -> None:
+        # ddpnb's launcher has torchrun prefix every line with the rank already.
+        prefix = "" if os.environ.get("DDPNB_LAUNCHED") else f"[rank {self.global_rank}] "
         print(prefix + msg, flush=True)
 
-    use_cuda = torch.cuda.is_available() and cfg["backend"] != "gloo"
-    if use_cuda:
-        device = torch.device("cuda", local_rank)
+
+def who_am_i() -> Rank:
+    """This process's place in the run, from torchrun's environment (or one process)."""
+    env = os.environ
+    return Rank(
+        distributed="RANK" in env,
+        global_rank=int(env.get("RANK", 0)),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+        node_rank=int(env.get("GROUP_RANK", 0)),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+    )
+
+
+def set_up_process(cfg: dict, me: Rank) -> tuple[torch.device, str]:
+    """Pick this rank's device, then join the process group; returns (device, backend)."""
+    if torch.cuda.is_available() and cfg["backend"] != "gloo":
+        device = torch.device("cuda", me.local_rank)  # one GPU per process on each node
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        procs_on_host = int(os.environ.get("DDPNB_PROCS_ON_HOST", local_world_size))
-        if cfg["threads"] or cfg.get("thread_budget", True):
-            torch.set_num_threads(cfg["threads"] or threads_for_host(procs_on_host))
-    backend = cfg["backend"] if cfg["backend"] != "auto" else ("nccl" if use_cuda else "gloo")
-    if distributed:
-        join_process_group(backend, cfg["timeout_seconds"], global_rank, world_size, restart_count)
-    log(
-        f"node {node_rank} local_rank {local_rank} of world_size {world_size} on "
-        f"{socket.gethostname()}, {device}, backend {backend if distributed else 'none'}, "
-        f"threads {torch.get_num_threads()}, attempt {restart_count}"
+        set_thread_budget(cfg, me)  # Part 2: this process's share of the host's cores
+    backend = cfg["backend"]
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if me.distributed:
+        join_process_group(backend, cfg["timeout_seconds"], me)
+    me.log(
+        f"node {me.node_rank} local_rank {me.local_rank} of world_size {me.world_size} on "
+        f"{socket.gethostname()}, {device}, backend {backend if me.distributed else 'none'}, "
+        f"threads {torch.get_num_threads()}, attempt {me.restart_count}"
     )
-    if local_rank == 0:  # once in every node's log
-        for name, harm in PITFALL_SWITCHES.items():
-            if not cfg.get(name, True):
-                log(f"WARNING: pitfall switch {name} is OFF ({harm}); wrong on purpose.")
+    return device, backend
 
-    # -- every node must hold the same dataset --------------------------------------
+
+def join_process_group(backend: str, timeout_seconds: int, me: Rank) -> None:
+    """Join the run's default process group (``dist.init_process_group``)."""
+    # A collective that waits longer than this fails the run instead of hanging it.
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)  # MASTER_ADDR etc. from torchrun
+        return
+    store = attempt_store(me.restart_count, timeout)  # Part 2: clean keys for each attempt
+    dist.init_process_group(
+        backend, store=store, rank=me.global_rank, world_size=me.world_size, timeout=timeout
+    )
+
+
+def check_same_dataset(data_dir: Path, me: Rank) -> str:
+    """This node's dataset fingerprint, once every rank has shown it holds the same data."""
     fingerprint = dataset_fingerprint(data_dir)
-    if distributed:
-        seen = [None] * world_size
-        dist.all_gather_object(seen, (node_rank, socket.gethostname(), fingerprint))
+    if me.distributed:
+        seen = [None] * me.world_size
+        dist.all_gather_object(seen, (me.node_rank, socket.gethostname(), fingerprint))
         differing = sorted({(n, h) for n, h, fp in seen if fp != seen[0][2]})
         if differing:
             names = ", ".join(f"node {n} ({h})" for n, h in differing)
@@ -670,417 +1125,225 @@ def main(argv: list[str] | None = None) -> None:  # noqa: C901, PLR0915 (to spli
                 f"fingerprint differs from node 0's ({seen[0][2][:12]}). Copy the identical "
                 "dataset to every node (rsync -a, or a shared filesystem) and run again."
             )
+    return fingerprint
 
-    if master_process:  # every rank got here: the rendezvous is complete
-        joined = {
-            "phase": "joined",
-            "world_size": world_size,
-            "time": time.time(),
-            "restart_count": restart_count,
-        }
-        progress_path = run_dir / "progress.json"
-        atomic_write_bytes(progress_path, json.dumps(joined).encode())
 
-    # -- data -----------------------------------------------------------------------
-    augment, augment_reason = resolve_augment(cfg, data_dir)
-    if master_process:
-        log(f"augment {augment_reason}")
-    size = cfg["image_size"]
-    train_tf, val_tf = loader_transforms(augment, size)
-    train_set = torchvision.datasets.ImageFolder(
-        data_dir / "train", transform=train_tf, loader=load_image
-    )
-    val_set = torchvision.datasets.ImageFolder(
-        data_dir / "val", transform=val_tf, loader=load_image
-    )
-    if train_set.classes != val_set.classes:
-        raise ValueError(f"train/ and val/ of {data_dir} hold different classes.")
-    num_classes = len(train_set.classes)
-    pipeline = cfg["pipeline"]
-    if pipeline == "auto":
-        need = (len(train_set) + len(val_set)) * 3 * size * size
-        pipeline = "memory" if need <= MEMORY_PIPELINE_BYTES else "loader"
+@dataclasses.dataclass
+class Data:
+    """This rank's data, as make_data returns it."""
+
+    train_sampler: DistributedSampler  # this rank's shard of train; set_epoch reshuffles it
+    train_batches: Callable[[int], Iterator]  # train_batches(epoch): (x, y) on the device
+    val_batches: Callable[[], Iterator]  # this rank's exact validation shard, in batches
+    steps_per_epoch: int
+    num_classes: int
+    device: torch.device
+    memory_format: torch.memory_format
+    augment: str  # what was made of augment="auto", and why
+    augment_reason: str
+    pipeline: str  # "memory" (decoded once) or "loader" (a DataLoader)
+    decode_seconds: float  # the memory pipeline's one-off decode of every image
+
+
+def make_data(cfg: dict, me: Rank, data_dir: Path, device: torch.device) -> Data:
+    """This rank's shard of train (a DistributedSampler) and of val (exact), as batches."""
+    train_set, val_set, augment, augment_reason = image_folders(cfg, me, data_dir)  # Part 2
+    # Every rank draws the same seeded shuffle and keeps its own 1/world_size of it (padded
+    # with repeats, so every rank takes the same number of steps).
     # Pitfall distributed_sampler=False: one shard holding the whole split, on every rank.
-    sharded = cfg.get("distributed_sampler", True)
+    sharded = cfg["distributed_sampler"]
     train_sampler = DistributedSampler(
         train_set,
-        num_replicas=world_size if sharded else 1,
-        rank=global_rank if sharded else 0,
+        num_replicas=me.world_size if sharded else 1,
+        rank=me.global_rank if sharded else 0,
         shuffle=True,
         seed=cfg["seed"],
     )
     # Validation shards without padding: rank r takes every world_size-th image, so each
     # image is counted exactly once and the result does not depend on world size.
-    val_indices = list(range(global_rank, len(val_set), world_size))
-    if not cfg.get("exact_validation", True):  # pitfall: shards padded with repeated images
+    val_indices = list(range(me.global_rank, len(val_set), me.world_size))
+    if not cfg["exact_validation"]:  # pitfall: shards padded with repeated images
         val_indices = list(
-            DistributedSampler(val_set, num_replicas=world_size, rank=global_rank, shuffle=False)
+            DistributedSampler(
+                val_set, num_replicas=me.world_size, rank=me.global_rank, shuffle=False
+            )
         )
-    batch_size = cfg["batch_size"]
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
-    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
-    decode_seconds = 0.0  # the memory pipeline's one-off decode of every image
-    if pipeline == "memory":
-        # Decoded once; batches are slices, augmented on tensors: no per-sample collation
-        # and no DataLoader processes competing with compute on a small host.
-        decode_start = time.perf_counter()
-        train_images, train_labels = decode_all(train_set.samples, size)
-        val_images, val_labels = decode_all([val_set.samples[i] for i in val_indices], size)
-        decode_seconds = time.perf_counter() - decode_start
-
-        def train_batches(epoch: int, gen: torch.Generator):
-            order = torch.tensor(list(train_sampler), dtype=torch.long)
-            for start in range(0, len(order), batch_size):
-                idx = order[start : start + batch_size]
-                x = train_images[idx].to(device, non_blocking=True).float().div_(255)
-                x = augment_batch(x, augment, gen)
-                yield (x - mean) / std, train_labels[idx].to(device, non_blocking=True)
-
-        def val_batches():
-            for start in range(0, len(val_labels), batch_size):
-                x = val_images[start : start + batch_size].to(device).float().div_(255)
-                yield (x - mean) / std, val_labels[start : start + batch_size].to(device)
-    else:
+    pipeline = choose_pipeline(cfg, train_set, val_set)  # Part 2: "memory" if it fits in RAM
+    if pipeline == "memory":  # Part 2: decoded once, batches sliced from tensors
+        train_batches, val_batches, decode_seconds = memory_batches(
+            cfg, me, train_set, val_set, train_sampler, val_indices, augment, device
+        )
+    else:  # the classic pipeline: a DataLoader that draws this rank's indices from the sampler
         loader_args = dict(
-            batch_size=batch_size, num_workers=cfg["num_workers"], pin_memory=use_cuda
+            batch_size=cfg["batch_size"],
+            num_workers=cfg["num_workers"],
+            pin_memory=device.type == "cuda",
         )
         train_loader = DataLoader(train_set, sampler=train_sampler, **loader_args)
         val_loader = DataLoader(Subset(val_set, val_indices), shuffle=False, **loader_args)
-
-        def train_batches(epoch: int, gen: torch.Generator):
-            for x, y in train_loader:
-                yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-        def val_batches():
-            for x, y in val_loader:
-                yield x.to(device), y.to(device)
-
-    steps_per_epoch = math.ceil(len(train_sampler) / batch_size)
+        train_batches = lambda epoch: on_device(train_loader, device, non_blocking=True)
+        val_batches = lambda: on_device(val_loader, device, non_blocking=False)
+        decode_seconds = 0.0
+    steps_per_epoch = math.ceil(len(train_sampler) / cfg["batch_size"])
     if cfg["max_steps_per_epoch"]:
         steps_per_epoch = min(steps_per_epoch, cfg["max_steps_per_epoch"])
+    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
+    return Data(
+        train_sampler=train_sampler,
+        train_batches=train_batches,
+        val_batches=val_batches,
+        steps_per_epoch=steps_per_epoch,
+        num_classes=len(train_set.classes),
+        device=device,
+        memory_format=memory_format,
+        augment=augment,
+        augment_reason=augment_reason,
+        pipeline=pipeline,
+        decode_seconds=decode_seconds,
+    )
 
-    # -- model and optimizer ---------------------------------------------------------
-    torch.manual_seed(cfg["seed"])  # identical init everywhere (DDP also broadcasts rank 0's)
-    model, weights_note = build_model(cfg, num_classes)
-    model = model.to(device, memory_format=memory_format)
-    comm = {"blocked": 0.0, "returned": None}  # the comm hook's timing of each step
-    gradients = "none (one process)"
+
+def wrap_model(model: nn.Module, cfg: dict, me: Rank, device: torch.device) -> nn.Module:
+    """The model in DistributedDataParallel: backward then averages gradients over ranks."""
     # One process has nobody to average gradients with: DDP would only add its bucket
     # copies and an all-reduce with itself (about 10% of a 1-process epoch, measured).
-    if world_size > 1:
-        model = DDP(
-            model,
-            device_ids=[local_rank] if use_cuda else None,
-            bucket_cap_mb=cfg["bucket_cap_mb"],
-            gradient_as_bucket_view=True,
-            # Rank 0's BatchNorm statistics are sent once per epoch (sync_buffers), not
-            # before every forward: training never reads them, and a per-step broadcast
-            # is one more point where every rank waits for the slowest.
-            **no_forward_buffer_sync(),
-        )
-        shared = None
-        if cfg["comm_hook"] in ("auto", "shm") and backend == "gloo":
-            shared = SharedMemoryAllReduce.create()
-            if shared is None and cfg["comm_hook"] == "shm":
-                raise RuntimeError(
-                    "comm_hook='shm' needs every rank on one host with a shared /dev/shm, "
-                    "and these ranks are not. Use comm_hook='auto' (shared memory where it "
-                    "can, the backend's all-reduce elsewhere) or 'none'."
-                )
-        compression = cfg["comm_hook"] if cfg["comm_hook"] in ("bf16", "fp16") else "none"
-        model.register_comm_hook(comm, timed_comm_hook(compression, shared))
-        gradients = "shared memory" if shared else f"{backend} all-reduce ({compression})"
-        if master_process:
-            log(f"gradients are averaged through {gradients}")
-    raw_model = model.module if isinstance(model, DDP) else model
-    optimizer = make_sgd(model.parameters(), cfg)
+    if me.world_size == 1:
+        return model
+    return DDP(
+        model,
+        device_ids=[me.local_rank] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg["bucket_cap_mb"],
+        gradient_as_bucket_view=True,
+        # Rank 0's BatchNorm statistics are sent once per epoch (sync_buffers), not
+        # before every forward: training never reads them, and a per-step broadcast
+        # is one more point where every rank waits for the slowest.
+        **no_forward_buffer_sync(),
+    )
+
+
+def make_optimizer(model: nn.Module, cfg: dict, steps_per_epoch: int):
+    """SGD with momentum, and its learning-rate schedule (stepped after every step)."""
+    optimizer = make_sgd(model.parameters(), cfg)  # Part 2: the fused kernel where torch has it
     total_steps = cfg["epochs"] * steps_per_epoch
     if cfg["lr_schedule"] == "cosine":
-        schedule = lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))  # noqa: E731
+        schedule = lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
     else:
-        schedule = lambda step: 1.0  # noqa: E731
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    criterion = nn.CrossEntropyLoss()
-    amp = cfg["amp"] and use_cuda  # bf16 autocast on CUDA; CPU trains in fp32
+        schedule = lambda step: 1.0
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
-    # -- resume from the last checkpoint (also after a torchrun restart) -----------
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt_path = ckpt_dir / "last.pt"
-    metrics_path = run_dir / "metrics.jsonl"
-    rank_path = run_dir / "ranks" / f"rank-{global_rank}.jsonl"
-    progress_path = run_dir / "progress.json"
-    start_epoch = 1
-    if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        # A field the checkpoint predates (written by an older ddpnb) is not compared
-        # here; the launcher has compared it with that field's default.
-        changed = sorted(
-            k for k in checkpoint_config(cfg) if k in ckpt["config"] and ckpt["config"][k] != cfg[k]
-        )
-        if changed:
-            raise RuntimeError(
-                f"{ckpt_path} was written with a different config (changed: {changed}). "
-                "Resume with the original config, or start a new run (another run_dir, "
-                "or overwrite=True)."
-            )
-        if ckpt["fingerprint"] != fingerprint:
-            raise RuntimeError(
-                f"{ckpt_path} was trained on another dataset (fingerprint "
-                f"{ckpt['fingerprint'][:12]}, now {fingerprint[:12]}). Resume on the original "
-                "data, or start a new run."
-            )
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        start_epoch = ckpt["epoch"] + 1
-        # Each rank continues its own random streams (the loader pipeline's transforms
-        # draw from them); with another world size the per-epoch seeds still hold.
-        if isinstance(ckpt["rng"], list) and len(ckpt["rng"]) == world_size:
-            set_rng_state(ckpt["rng"][global_rank], use_cuda)
-        log(f"resumed from {ckpt_path} after epoch {ckpt['epoch']}")
-    if master_process:
-        keep_epochs_upto(metrics_path, start_epoch - 1)
-    rank_path.parent.mkdir(parents=True, exist_ok=True)
-    keep_epochs_upto(rank_path, start_epoch - 1)
-    if master_process:
-        log(
-            f"{cfg['model']} ({weights_note}), {num_classes} classes, augment {augment}, "
-            f"pipeline {pipeline}, {steps_per_epoch} steps/epoch, global batch "
-            f"{batch_size * world_size}"
-        )
-        # What "auto" and the defaults became on this run, next to config.json.
-        effective = {
-            **cfg,
-            "augment": augment,
-            "augment_requested": cfg["augment"],
-            "augment_reason": augment_reason,
-            "backend": backend if distributed else "none",
-            "device": str(device),
-            "world_size": world_size,
-            "local_world_size": local_world_size,
-            "threads": torch.get_num_threads(),  # per process (rank 0's)
-            "pipeline": pipeline,
-            "gradients": gradients,
-            "num_classes": num_classes,
-            "steps_per_epoch": steps_per_epoch,
-            "global_batch_size": batch_size * world_size,
-            "weights_note": weights_note,
-            "restart_count": restart_count,
+
+def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
+    """Load the last checkpoint, if any (also after a torchrun restart): the first epoch to run."""
+    if not path.exists():
+        return 1
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    check_checkpoint_fits(ckpt, path, cfg, fingerprint)  # Part 2: same config, same dataset
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    # Each rank continues its own random streams (the loader pipeline's transforms
+    # draw from them); with another world size the per-epoch seeds still hold.
+    if isinstance(ckpt["rng"], list) and len(ckpt["rng"]) == me.world_size:
+        set_rng_state(ckpt["rng"][me.global_rank], next(model.parameters()).is_cuda)
+    me.log(f"resumed from {path} after epoch {ckpt['epoch']}")
+    return ckpt["epoch"] + 1
+
+
+def train_one_epoch(model, data, optimizer, scheduler, epoch, amp, monitor) -> torch.Tensor:
+    """One pass over this rank's shard of train; returns its sums (loss*n, correct, n)."""
+    model.train()
+    sums = torch.zeros(3, dtype=torch.float64, device=data.device)  # loss*n, correct, n
+    batches = monitor.start_epoch(epoch, data)  # data.train_batches(epoch), timed (Part 2)
+    for step, (x, y) in enumerate(batches):
+        x = x.contiguous(memory_format=data.memory_format)
+        with torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces gradient buckets while backward runs
+        optimizer.step()
+        scheduler.step()
+        sums += batch_sums(loss.detach(), logits, y)
+        monitor.after_step(step, loss)  # Part 2: timings, progress.json, DDPNB_FAULT, watchdog
+    return sums
+
+
+def validate(model, data, amp) -> torch.Tensor:
+    """Sums (loss*n, correct, n) over this rank's exact shard of val."""
+    net = model.module if isinstance(model, DDP) else model
+    if isinstance(model, DDP):
+        sync_buffers(net)  # every rank validates the model rank 0 checkpoints
+    # Validation on the unwrapped model: no DDP collectives inside, so ranks whose
+    # shards differ by one batch cannot hang each other.
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=data.device)
+    with torch.no_grad(), torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=amp):
+        for x, y in data.val_batches():
+            logits = net(x.contiguous(memory_format=data.memory_format))
+            sums += batch_sums(F.cross_entropy(logits.float(), y), logits, y)
+    return sums
+
+
+def batch_sums(loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(loss*n, correct, n) of one batch, in float64: sums, not means, add up over ranks."""
+    n = y.shape[0]
+    return torch.stack(
+        [
+            loss.double() * n,
+            (logits.argmax(1) == y).sum().double(),
+            torch.tensor(float(n), dtype=torch.float64, device=y.device),
+        ]
+    )
+
+
+def sync_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics)."""
+    for b in model.buffers():
+        dist.broadcast(b, src=0)
+
+
+def reduce_epoch_metrics(train_sums: torch.Tensor, val_sums: torch.Tensor, me: Rank) -> dict:
+    """The epoch's metrics over all ranks: sums and counts are reduced, then divided."""
+    # This rank's own means (loss, acc for train then val) ride along in the same
+    # all_reduce: their average is the mean of means that reduce_sums=False reports.
+    rank_means = torch.cat([s[:2] / s[2].clamp(min=1) for s in (train_sums, val_sums)])
+    totals = torch.cat([train_sums, val_sums, rank_means])
+    if me.distributed:
+        dist.all_reduce(totals)  # sums and counts, never means of means
+    train_loss, train_correct, train_n, val_loss, val_correct, val_n = totals[:6].tolist()
+    return {
+        "train_loss": train_loss / train_n,
+        "train_acc": train_correct / train_n,
+        "val_loss": val_loss / max(val_n, 1),
+        "val_acc": val_correct / max(val_n, 1),
+        "train_samples": int(train_n),
+        "val_samples": int(val_n),
+        "mean_of_means": (totals[6:] / me.world_size).tolist(),
+        "rank_means": rank_means.tolist(),
+    }
+
+
+def save_checkpoint(path, epoch, cfg, me, model, optimizer, scheduler, fingerprint) -> None:
+    """Rank 0 saves what resuming needs: model, optimizer, schedule, epoch, every rank's RNG."""
+    if epoch % cfg["checkpoint_every"] != 0 and epoch != cfg["epochs"]:
+        return
+    use_cuda = next(model.parameters()).is_cuda
+    rngs = [rng_state(use_cuda)]
+    if me.distributed:  # a collective: every rank takes part, rank 0 keeps the list
+        rngs = [None] * me.world_size
+        dist.all_gather_object(rngs, rng_state(use_cuda))
+    if me.master_process:  # one copy is enough: every rank holds the same weights
+        ckpt = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "epoch": epoch,
+            "sampler_epoch": epoch,
+            "config": cfg,
+            "fingerprint": fingerprint,
+            "rng": rngs,  # one entry per global rank
         }
-        atomic_write_bytes(
-            run_dir / "effective_config.json", (json.dumps(effective, indent=2) + "\n").encode()
-        )
-
-    # -- training ------------------------------------------------------------------
-    last_progress = 0.0
-    first_step_time = None  # launch latency is measured up to here
-    for epoch in range(start_epoch, cfg["epochs"] + 1):
-        if cfg.get("set_epoch", True):  # pitfall set_epoch=False: epoch 0's order forever
-            train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        order_hash = index_order_hash(train_sampler)
-        # Augmentation randomness depends only on (seed, rank, epoch): a resumed epoch
-        # sees exactly what the uninterrupted one saw.
-        gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + global_rank * 1009 + epoch)
-        model.train()
-        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss*n, correct, n
-        data_wait = compute = comm_wait = 0.0
-        epoch_start = time.perf_counter()
-        batches = train_batches(epoch, gen)
-        for step in range(steps_per_epoch):
-            t0 = time.perf_counter()
-            x, y = next(batches)
-            t1 = time.perf_counter()
-            x = x.contiguous(memory_format=memory_format)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                logits = model(x)
-                loss = criterion(logits, y)
-            optimizer.zero_grad(set_to_none=True)
-            comm["blocked"], comm["returned"] = 0.0, None
-            loss.backward()  # DDP all-reduces gradient buckets while backward runs
-            if comm["returned"] is not None:  # time in the hook, then waiting for it alone
-                comm_wait += comm["blocked"] + time.perf_counter() - comm["returned"]
-            optimizer.step()
-            if first_step_time is None:
-                first_step_time = time.time()
-            scheduler.step()
-            n = y.shape[0]
-            sums += torch.stack(
-                [
-                    loss.detach().double() * n,
-                    (logits.argmax(1) == y).sum().double(),
-                    torch.tensor(float(n), dtype=torch.float64, device=device),
-                ]
-            )
-            data_wait += t1 - t0
-            compute += time.perf_counter() - t1
-            if (
-                fault
-                and global_rank == fault["rank"]
-                and epoch == fault["epoch"]
-                and step == fault["step"]
-                and restart_count == fault["restart"]
-            ):
-                log(f"DDPNB_FAULT: {fault['mode']} at epoch {epoch} step {step}")
-                if fault["mode"] == "raise":
-                    raise RuntimeError(f"DDPNB_FAULT injected failure at epoch {epoch} step {step}")
-                os.kill(os.getpid(), signal.SIGKILL)
-            if distributed and os.getppid() != agent_pid:
-                raise RuntimeError(
-                    f"The torchrun agent (pid {agent_pid}) of node {node_rank} is gone: this "
-                    "node is lost, so its worker stops too. Relaunch with resume=True."
-                )
-            now = time.perf_counter()
-            if master_process and (
-                now - last_progress > PROGRESS_INTERVAL or step + 1 == steps_per_epoch
-            ):
-                last_progress = now
-                progress = {
-                    "phase": "train",
-                    "epoch": epoch,
-                    "epochs": cfg["epochs"],
-                    "step": step + 1,
-                    "steps": steps_per_epoch,
-                    "loss": loss.item(),
-                    "restart_count": restart_count,
-                    "time": time.time(),
-                    "first_step_time": first_step_time,
-                }
-                atomic_write_bytes(progress_path, json.dumps(progress).encode(), durable=False)
-        if use_cuda:
-            torch.cuda.synchronize()
-        train_seconds = time.perf_counter() - epoch_start
-        if world_size > 1:
-            sync_buffers(raw_model)  # every rank validates the model rank 0 checkpoints
-        param_checksum = parameter_checksum(raw_model)
-
-        # Validation on the unwrapped model: no DDP collectives inside, so ranks whose
-        # shards differ by one batch cannot hang each other.
-        model.eval()
-        val_sums = torch.zeros(3, dtype=torch.float64, device=device)
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            for x, y in val_batches():
-                logits = raw_model(x.contiguous(memory_format=memory_format))
-                n = y.shape[0]
-                val_sums += torch.stack(
-                    [
-                        criterion(logits.float(), y).double() * n,
-                        (logits.argmax(1) == y).sum().double(),
-                        torch.tensor(float(n), dtype=torch.float64, device=device),
-                    ]
-                )
-        local_train_samples = int(sums[2].item())
-        local_val_samples = int(val_sums[2].item())
-        # This rank's own means (loss, acc for train then val) ride along in the same
-        # all_reduce: their average is the mean of means that reduce_sums=False reports.
-        local_means = torch.cat([s[:2] / s[2].clamp(min=1) for s in (sums, val_sums)])
-        totals = torch.cat([sums, val_sums, local_means])
-        if distributed:
-            dist.all_reduce(totals)  # sums and counts, never means of means
-        train_loss, train_correct, train_n, val_loss, val_correct, val_n = totals[:6].tolist()
-        mean_of_means = (totals[6:] / world_size).tolist()
-        epoch_seconds = time.perf_counter() - epoch_start
-
-        append_jsonl(
-            rank_path,
-            {
-                "epoch": epoch,
-                "global_rank": global_rank,
-                "local_rank": local_rank,
-                "node_rank": node_rank,
-                "train_samples": local_train_samples,
-                "val_samples": local_val_samples,
-                "images_per_second": local_train_samples / train_seconds,
-                "data_wait_seconds": data_wait,
-                "compute_seconds": compute - comm_wait,
-                "comm_seconds": comm_wait,
-                "restart_count": restart_count,
-                "train_seconds": train_seconds,
-                "threads": torch.get_num_threads(),
-                "val_loss": local_means[2].item(),
-                "val_acc": local_means[3].item(),
-                "order_hash": order_hash,
-                "param_checksum": param_checksum,
-            },
-        )
-        if master_process:
-            row = {
-                "epoch": epoch,
-                "world_size": world_size,
-                "train_loss": train_loss / train_n,
-                "train_acc": train_correct / train_n,
-                "val_loss": val_loss / max(val_n, 1),
-                "val_acc": val_correct / max(val_n, 1),
-                "train_samples": int(train_n),
-                "val_samples": int(val_n),
-                "epoch_seconds": epoch_seconds,
-                "images_per_second": train_n / train_seconds,
-                "restart_count": restart_count,
-                "decode_seconds": decode_seconds,
-                "lr": scheduler.get_last_lr()[0],
-                "val_loss_exact": val_loss / max(val_n, 1),
-                "val_acc_exact": val_correct / max(val_n, 1),
-            }
-            if not cfg.get("reduce_sums", True):  # pitfall: report the mean of per-rank means
-                row.update(zip(["train_loss", "train_acc", "val_loss", "val_acc"], mean_of_means))
-            append_jsonl(metrics_path, row)
-            log(
-                f"epoch {epoch}/{cfg['epochs']} train_loss {row['train_loss']:.4f} "
-                f"val_acc {row['val_acc']:.4f} {row['images_per_second']:.0f} img/s"
-            )
-        save_checkpoint = epoch % cfg["checkpoint_every"] == 0 or epoch == cfg["epochs"]
-        rng_states = [rng_state(use_cuda)]
-        if save_checkpoint and distributed:
-            rng_states = [None] * world_size
-            dist.all_gather_object(rng_states, rng_state(use_cuda))
-        if master_process:
-            if save_checkpoint:
-                ckpt_dir.mkdir(exist_ok=True)
-                ckpt = {
-                    "model": raw_model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "epoch": epoch,
-                    "sampler_epoch": epoch,
-                    "config": cfg,
-                    "fingerprint": fingerprint,
-                    "rng": rng_states,  # one entry per global rank
-                }
-                tmp = ckpt_dir / f".last.pt.{os.getpid()}.tmp"
-                try:
-                    with open(tmp, "wb") as f:
-                        torch.save(ckpt, f)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, ckpt_path)  # the previous checkpoint survives a failed write
-                except (OSError, RuntimeError) as e:  # torch.save wraps write errors
-                    tmp.unlink(missing_ok=True)
-                    kept = "is kept intact" if ckpt_path.exists() else "does not exist yet"
-                    free = shutil.disk_usage(ckpt_dir).free
-                    raise OSError(
-                        getattr(e, "errno", None) or errno.EIO,
-                        f"Could not write the checkpoint of epoch {epoch} to {ckpt_path} "
-                        f"({e}; {free / 2**20:.1f} MiB free there). The previous checkpoint "
-                        f"{kept}. Free space on that filesystem (or choose another run_dir), "
-                        "then relaunch with resume=True",
-                    ) from e
-        if distributed:
-            dist.barrier()  # nobody starts the next epoch before the checkpoint is on disk
-
-    if master_process:
-        done = {
-            "phase": "done",
-            "epoch": cfg["epochs"],
-            "epochs": cfg["epochs"],
-            "step": steps_per_epoch,
-            "steps": steps_per_epoch,
-            "time": time.time(),
-            "restart_count": restart_count,
-            "first_step_time": first_step_time,
-        }
-        atomic_write_bytes(progress_path, json.dumps(done).encode())
-    if distributed:
-        dist.destroy_process_group()
+        write_checkpoint(ckpt, path, epoch)  # Part 2: atomic; a full disk keeps the last one
 
 
 if __name__ == "__main__":
