@@ -28,15 +28,22 @@ class Table(list):
     -------
     >>> print(Table([{"layout": "1x1", "images/s": 310}, {"layout": "1x2", "images/s": 290}]))
     layout  images/s
-       1x1       310
-       1x2       290
+    1x1          310
+    1x2          290
     """
 
     def __str__(self) -> str:
         header = list(dict.fromkeys(k for row in self for k in row))
         cells = [header] + [[_cell(row.get(k, "")) for k in header] for row in self]
         widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
+        # Numbers line up on the right, words (labels, hashes) on the left.
+        left = [any(isinstance(row.get(k), str) for row in self) for k in header]
+        return "\n".join(
+            "  ".join(
+                c.ljust(w) if lj else c.rjust(w) for c, w, lj in zip(row, widths, left)
+            ).rstrip()
+            for row in cells
+        )
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the table, not a list
         p.text(str(self))
@@ -170,8 +177,8 @@ def scaling_table(
     -------
     >>> print(scaling_table({"1x1": "runs/scaling/1x1", "1x2": "runs/scaling/1x2"}))  # doctest: +SKIP
     layout  world_size  images/s  efficiency  communication share  val_acc
-       1x1           1       310           1                 0.01   0.9694
-       1x2           2       252        0.81                 0.19   0.9667
+    1x1              1       310           1                 0.01   0.9694
+    1x2              2       252        0.81                 0.19   0.9667
     """
     labelled = _labelled(runs, labels)
     first = next(iter(labelled.values()), None)
@@ -247,10 +254,9 @@ def node_log_lines(
     return "\n".join(out)
 
 
-def summary_record(name: str, out_dir: str | os.PathLike, **values) -> dict:
-    """Write ``out_dir/<name>_summary.json`` (what the demo and the tests read), print it.
-
-    Returns the record. Values must be JSON-ready (tables are lists of dicts).
+def summary_record(name: str, out_dir: str | os.PathLike, **values) -> None:
+    """Write ``values`` to ``out_dir/<name>_summary.json`` (the demo and the tests read
+    it) and print what was written. Values must be JSON-ready (tables are lists of dicts).
 
     Example
     -------
@@ -261,4 +267,3 @@ def summary_record(name: str, out_dir: str | os.PathLike, **values) -> dict:
     text = json.dumps(values, indent=2)
     path.write_text(text + "\n")
     print(f"{path}:\n{text}")
-    return values
