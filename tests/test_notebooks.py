@@ -10,6 +10,9 @@ import ddpnb
 from ddpnb.demo import NOTEBOOKS, ipc_kernel_manager, notebook_parameters
 
 ALL = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
+MAX_CELL_LINES = 8  # code cells call the package; the prose teaches
+FIRST = "01_dataset_prep.ipynb"  # writes the dataset every other notebook reads
+NEEDS = {"03_multi_node_ddp.ipynb": ["02_single_node_baseline.ipynb"]}  # the baseline
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -25,30 +28,55 @@ def test_committed_without_outputs_and_with_parameters(name):
     assert nb.metadata["kernelspec"]["name"] == "python3"
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_code_cells_are_short(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    long = {
+        i: n
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])
+        if (n := sum(1 for line in c.source.splitlines() if line.strip())) > MAX_CELL_LINES
+    }
+    assert not long, (
+        f"{name}: code cells {sorted(long)} have {sorted(long.values())} non-blank lines, "
+        f"more than {MAX_CELL_LINES}: move the logic into ddpnb and let the prose teach"
+    )
+
+
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory, digits_data):
-    """Run the notebooks in order, as make demo does, with tiny training."""
+def executed(tmp_path_factory):
+    """Run a notebook (after the ones it needs, once each) as make demo does, tiny.
+
+    ``executed(name)`` returns the output folder and the failures so far, so ``-k``
+    on one notebook's test runs only that notebook and the ones before it that it needs.
+    """
     import papermill
 
     out = tmp_path_factory.mktemp("nb")
-    data = out / "digits"
-    params = notebook_parameters(out, data, quick=True)
-    failures = {}
-    for name, p in params.items():
-        try:
-            papermill.execute_notebook(
-                str(NOTEBOOKS / name),
-                str(out / name),
-                parameters=p,
-                kernel_name="python3",
-                execution_timeout=300,
-                cwd=str(out),
-                progress_bar=False,
-                kernel_manager_class=ipc_kernel_manager(),
-            )
-        except Exception as e:  # keep going: later notebooks report on their own
-            failures[name] = e
-    return out, failures
+    params = notebook_parameters(out, out / "digits", quick=True)
+    failures, done = {}, set()
+
+    def run(name: str):
+        for before in ([FIRST] if name != FIRST else []) + NEEDS.get(name, []):
+            run(before)
+        if name not in done:
+            done.add(name)
+            try:
+                papermill.execute_notebook(
+                    str(NOTEBOOKS / name),
+                    str(out / name),
+                    parameters=params[name],
+                    kernel_name="python3",
+                    execution_timeout=300,
+                    cwd=str(out),
+                    progress_bar=False,
+                    kernel_manager_class=ipc_kernel_manager(),
+                )
+            except Exception as e:  # keep going: later notebooks report on their own
+                failures[name] = e
+        return out, failures
+
+    return run
 
 
 def _summary(out: Path, stem: str) -> dict:
@@ -57,7 +85,7 @@ def _summary(out: Path, stem: str) -> dict:
 
 @pytest.mark.slow
 def test_01_dataset_prep(executed):
-    out, failures = executed
+    out, failures = executed("01_dataset_prep.ipynb")
     assert "01_dataset_prep.ipynb" not in failures, failures.get("01_dataset_prep.ipynb")
     s = _summary(out, "01")
     assert (s["train"], s["val"], len(s["classes"])) == (1437, 360, 10)
@@ -68,7 +96,7 @@ def test_01_dataset_prep(executed):
 
 @pytest.mark.slow
 def test_02_baseline(executed):
-    out, failures = executed
+    out, failures = executed("02_single_node_baseline.ipynb")
     assert "02_single_node_baseline.ipynb" not in failures, failures.get(
         "02_single_node_baseline.ipynb"
     )
@@ -81,20 +109,22 @@ def test_02_baseline(executed):
 
 @pytest.mark.slow
 def test_03_multi_node(executed):
-    out, failures = executed
+    out, failures = executed("03_multi_node_ddp.ipynb")
     assert "03_multi_node_ddp.ipynb" not in failures, failures.get("03_multi_node_ddp.ipynb")
     s = _summary(out, "03")
     assert s["world_size"] == 2 and s["baseline_val_acc"] is not None
     rows = [json.loads(x) for x in (out / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["world_size"] == 2 and rows[0]["val_samples"] == 360
     assert (out / "03_ddp_vs_baseline.png").exists()
+    base, ddp = (json.loads((out / d / "config.json").read_text()) for d in ("baseline", "ddp"))
+    assert {k for k in base if base[k] != ddp[k]} == {"batch_size"}  # the baseline's config
     text = (out / "03_multi_node_ddp.ipynb").read_text()
     assert "srun torchrun" in text and "--node_rank=1" in text
 
 
 @pytest.mark.slow
 def test_04_fault_tolerance(executed):
-    out, failures = executed
+    out, failures = executed("04_fault_tolerance.ipynb")
     assert "04_fault_tolerance.ipynb" not in failures, failures.get("04_fault_tolerance.ipynb")
     s = _summary(out, "04")
     assert s["epochs"] == [1, 2, 3] and s["restart_counts"] == [0, 1, 1]
@@ -108,7 +138,7 @@ def test_04_fault_tolerance(executed):
 
 @pytest.mark.slow
 def test_05_scaling(executed):
-    out, failures = executed
+    out, failures = executed("05_scaling.ipynb")
     assert "05_scaling.ipynb" not in failures, failures.get("05_scaling.ipynb")
     rows = _summary(out, "05")["layouts"]
     assert [r["layout"] for r in rows] == ["1x1", "1x2", "2x1"]
@@ -129,7 +159,7 @@ def test_05_scaling(executed):
 
 @pytest.mark.slow
 def test_06_pitfalls(executed):
-    out, failures = executed
+    out, failures = executed("06_pitfalls.ipynb")
     assert "06_pitfalls.ipynb" not in failures, failures.get("06_pitfalls.ipynb")
     s = _summary(out, "06")
     assert s["world_size"] == 2 and s["val_images"] % 2 == 1
