@@ -27,6 +27,8 @@ _LAZY = {
     "plot_scaling": "plot",
     "plot_throughput": "plot",
     "write_worker": "rundir",
+    "check_hosts": "remote",
+    "ssh_commands": "remote",
 }
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "Job",
     "TrainConfig",
     "WorkerFailed",
+    "check_hosts",
     "inspect_dataset",
     "launch",
     "load_metrics",
@@ -43,6 +46,7 @@ __all__ = [
     "plot_throughput",
     "prepare_digits",
     "slurm_script",
+    "ssh_commands",
     "train_single",
     "write_worker",
 ]
@@ -67,4 +71,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never runs
     from .data import inspect_dataset, prepare_digits
     from .metrics import load_metrics
     from .plot import plot_curves, plot_scaling, plot_throughput
+    from .remote import check_hosts, ssh_commands
     from .rundir import write_worker

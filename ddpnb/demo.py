@@ -56,6 +56,15 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
             # Whole epochs even when quick: the lessons compare epoch times and orders.
             **({"train_images": 200, "val_images": 41} if quick else {}),
         },
+        # hosts stays empty: the notebook explains and shows the commands, starting nothing
+        # (tests/test_ssh.py runs it against two SSH hosts).
+        "07_real_machines.ipynb": {
+            "data_dir": str(data_dir),
+            "run_dir": str(out / "real"),
+            "simulated_dir": str(out / "ddp"),
+            "out_dir": str(out),
+            "progress": "text",
+        },
     }
 
 

@@ -19,6 +19,7 @@ import secrets
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from .rundir import PRODUCTS, WORKER_NAME, prepare_run_dir, write_worker
 from .ssh import (
     SSH_FAILED,
     Host,
+    Probe,
     Ssh,
     check_probes,
     parse_hosts,
@@ -174,9 +176,9 @@ def launch_on_hosts(
     )
     config = check_run(config, checked, progress, here=False)
     run_dir = prepare_run_dir(config, run_dir, resume=resume, overwrite=overwrite).resolve()
-    shared, port, cpus = _preflight(
-        ssh, parsed, python, config, run_dir, nproc_per_node, master_port
-    )
+    probes = _preflight(ssh, parsed, python, config, run_dir, nproc_per_node, master_port)
+    shared = [p.report["shared"] for p in probes]
+    port, cpus = probes[0].report["port"], [p.report["cpus"] for p in probes]
     dirs = [str(run_dir) if s else str(remote_run_dir or run_dir) for s in shared]
     _check_remote_dirs(ssh, parsed, python, dirs, shared, resume, overwrite)
     topology = Topology(
@@ -239,8 +241,8 @@ def _preflight(
     run_dir: Path,
     nproc: int,
     port: int | None,
-) -> tuple[list[bool], int, list[int]]:
-    """Probe every host; return which see run_dir (shared filesystem) and node 0's port."""
+) -> list[Probe]:
+    """Probe every host; each report says if it sees run_dir (``shared``); node 0's has the port."""
     token = secrets.token_hex(8)
     marker = f".ddpnb-shared-{token}"
     (run_dir / marker).write_text(token)
@@ -265,8 +267,55 @@ def _preflight(
         gpus=config.backend == "nccl",
         port=port,
     )
-    shared = [p.report["marker"] == token for p in probes]
-    return shared, probes[0].report["port"], [p.report["cpus"] for p in probes]
+    for p in probes:
+        p.report["shared"] = p.report["marker"] == token
+    return probes
+
+
+def check_hosts(
+    config: TrainConfig | Mapping,
+    hosts: Sequence[str],
+    nproc_per_node: int = 1,
+    run_dir: str | os.PathLike | None = None,
+    ssh_config: str | os.PathLike | None = None,
+    ssh_options: Sequence[str] = (),
+    python: str | None = None,
+) -> list[dict]:
+    """The preflight of ``launch(hosts=...)``, starting nothing: one row per host.
+
+    Raises :class:`~ddpnb.errors.HostError` naming every host that cannot run the job.
+    With ``run_dir`` (an existing folder here) each row says whether that host sees it.
+
+    Example
+    -------
+    >>> check_hosts(TrainConfig(data_dir="/data/digits"), ["gpu1", "gpu2"])  # doctest: +SKIP
+    [{'node_rank': 0, 'host': 'gpu1', 'address': '10.0.0.1', 'torch': '2.14.1', ...}, ...]
+    """
+    parsed = parse_hosts(hosts)
+    ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
+    python = python or sys.executable
+    config = as_config(config)
+    config = check_run(
+        config, Topology(len(parsed), nproc_per_node, "hosts", 1), "none", here=False
+    )
+    folder = Path(run_dir) if run_dir is not None else None
+    if folder is None or not folder.is_dir():
+        folder = Path(tempfile.mkdtemp(prefix="ddpnb-check-"))  # no host sees a fresh folder here
+    probes = _preflight(ssh, parsed, python, config, folder, nproc_per_node, None)
+    if run_dir is None or folder != Path(run_dir):
+        folder.rmdir()
+    keys = ("hostname", "python", "torch", "torchvision", "cpus", "gpus")
+    return [
+        {
+            "node_rank": n,
+            "host": p.host.spec,
+            "address": ssh.hostname(p.host),
+            **{k: p.report.get(k) for k in keys},
+            "dataset": p.report["fingerprint"][:12],
+            "sees_run_dir": p.report["shared"] if run_dir is not None else None,
+        }
+        for n, p in enumerate(probes)
+    ]
 
 
 def _check_remote_dirs(
@@ -329,6 +378,66 @@ def _host_env(
     return env
 
 
+def agent_command(
+    ssh: Ssh,
+    host: Host,
+    python: str,
+    remote_dir: str,
+    topology: Topology,
+    node: int,
+    env: dict[str, str],
+) -> tuple[list[str], str]:
+    """The ssh command that runs node ``node``'s agent on ``host``, and how to show it.
+
+    The agent's source travels in the command line (``python -c``), so the hosts need
+    nothing of ddpnb; the shown line abbreviates it to ``<ddpnb agent>``.
+    """
+    torchrun = [
+        *topology.torchrun_args(node, log_dir=f"{remote_dir}/logs/node-{node}"),
+        f"{remote_dir}/{WORKER_NAME}",
+        "--config",
+        f"{remote_dir}/config.json",
+    ]
+    remote = remote_line([python, "-c", AGENT.read_text(), *torchrun], cwd=remote_dir, env=env)
+    cmd = ssh.command(host, remote)
+    shown = remote_line([python, "-c", "AGENT", *torchrun], cwd=remote_dir, env=env)
+    shown = shown.replace(" -c AGENT ", " -c '<ddpnb agent>' ")
+    return cmd, f"{shlex.join(cmd[:-1])}  # runs, on that host:\n    {shown}"
+
+
+def ssh_commands(
+    config: TrainConfig | Mapping,
+    run_dir: str | os.PathLike,
+    hosts: Sequence[str],
+    nproc_per_node: int = 1,
+    master_port: int = 29500,
+    ssh_config: str | os.PathLike | None = None,
+    ssh_options: Sequence[str] = (),
+    python: str | None = None,
+) -> list[str]:
+    """What ``launch(hosts=...)`` runs on each host (the agent's source abbreviated).
+
+    Nothing is started and no host is contacted (``ssh -G`` only reads the client
+    config). Shown for a shared filesystem: run_dir at the same path on every host.
+
+    Example
+    -------
+    >>> ssh_commands(TrainConfig(), "/shared/run", ["gpu1", "gpu2"])[1]   # doctest: +SKIP
+    "ssh -o BatchMode=yes ... -T -- gpu2 'cd /shared/run && exec env ... --node_rank=1 ...'"
+    """
+    config = as_config(config)
+    parsed = parse_hosts(hosts)
+    ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
+    python = python or sys.executable
+    topology = Topology(len(parsed), nproc_per_node, ssh.hostname(parsed[0]), master_port)
+    env = _host_env(config, nproc_per_node, None, None)
+    env.pop("OMP_NUM_THREADS", None)  # each host's own share of its cores, known at launch
+    return [
+        agent_command(ssh, host, python, str(run_dir), topology, n, env)[1]
+        for n, host in enumerate(parsed)
+    ]
+
+
 def _start_ssh_agent(
     ssh: Ssh,
     host: Host,
@@ -341,18 +450,7 @@ def _start_ssh_agent(
     run_dir: Path,
 ) -> subprocess.Popen:
     """``ssh host agent ...``: the host's torchrun, its output streamed to logs/node-N.log."""
-    torchrun = [
-        *topology.torchrun_args(node, log_dir=f"{remote_dir}/logs/node-{node}"),
-        f"{remote_dir}/{WORKER_NAME}",
-        "--config",
-        f"{remote_dir}/config.json",
-    ]
-    # The agent's source travels in the command line: the hosts need nothing of ddpnb.
-    remote = remote_line([python, "-c", AGENT.read_text(), *torchrun], cwd=remote_dir, env=env)
-    cmd = ssh.command(host, remote)
-    shown = shlex.join(
-        [*cmd[:-1], f"cd {remote_dir} && {python} -c <ddpnb agent> {shlex.join(torchrun)}"]
-    )
+    cmd, shown = agent_command(ssh, host, python, remote_dir, topology, node, env)
     with open(run_dir / "logs" / f"node-{node}.log", "ab") as log_file:
         log_file.write(f"$ {shown}\n".encode())
         log_file.flush()

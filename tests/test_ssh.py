@@ -17,6 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 from conftest import tiny_config
 from sshhosts import ssh_hosts
@@ -240,3 +241,51 @@ def test_bad_arguments_are_refused_before_any_ssh(tiny_data, tmp_path):
     with pytest.raises(ConfigError, match="need hosts"):
         ddpnb.launch(cfg, tmp_path / "c", ssh_config="x")
     assert not Path(tmp_path / "a").exists()
+
+
+def _run_notebook_07(tmp_path, **params):
+    import papermill
+
+    from ddpnb.demo import NOTEBOOKS, ipc_kernel_manager
+
+    out = tmp_path / "07.ipynb"
+    papermill.execute_notebook(
+        str(NOTEBOOKS / "07_real_machines.ipynb"),
+        str(out),
+        parameters={"out_dir": str(tmp_path), "progress": "text", **params},
+        kernel_name="python3",
+        execution_timeout=300,
+        cwd=str(tmp_path),
+        progress_bar=False,
+        kernel_manager_class=ipc_kernel_manager(),
+    )
+    nb = nbformat.read(out, as_version=4)
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    return json.loads((tmp_path / "07_summary.json").read_text()), text
+
+
+def test_notebook_07_with_no_hosts_teaches_and_starts_nothing(tiny_data, tmp_path):
+    summary, text = _run_notebook_07(tmp_path, data_dir=str(tiny_data))
+    assert summary == {"hosts": [], "world_size": 0}
+    assert "ssh -o BatchMode=yes" in text and "--node_rank=1" in text  # the commands shown
+    assert "nothing was started" in text and not (tmp_path / "runs").exists()
+
+
+def test_notebook_07_on_two_hosts(hosts, tiny_data, layout_run, tmp_path):
+    simulated = layout_run("2x1").run_dir
+    summary, text = _run_notebook_07(
+        tmp_path,
+        hosts=hosts.names,
+        ssh_config=str(hosts.ssh_config),
+        env=hosts.env,
+        data_dir=str(tiny_data),
+        run_dir=str(tmp_path / "real"),
+        simulated_dir=str(simulated),
+        batch_size=8,
+        threads=1,
+        max_steps_per_epoch=3,
+    )
+    assert summary["hosts"] == hosts.names and summary["world_size"] == 2
+    assert summary["epochs"] == 2 and 0 <= summary["val_acc"] <= 1
+    assert "'host': 'hostb'" in text  # the preflight's rows
+    assert not _no_leftovers(hosts)
