@@ -113,15 +113,31 @@ def slurm_script(
     run_dir: str | os.PathLike,
     nnodes: int = 2,
     nproc_per_node: int = 1,
-    master_port: int = 29500,
+    master_port: int | None = 29500,
     job_name: str = "ddpnb",
     time_limit: str = "01:00:00",
     gpus_per_node: int = 0,
     path: str | os.PathLike | None = None,
+    *,
+    partition: str | None = None,
+    account: str | None = None,
+    python: str | None = None,
+    max_restarts: int = 0,
+    rdzv_timeout: int = 300,
+    marker: str | None = None,
+    batch_log: str = "%x-%j.out",
 ) -> str:
     """An sbatch script that runs the worker with one torchrun per node (c10d rendezvous).
 
-    Writes it to ``path`` when given. Submit with ``sbatch train.sbatch``.
+    Writes it to ``path`` when given. Submit with ``sbatch train.sbatch`` (or let
+    :func:`ddpnb.submit_slurm` do it). ``master_port=None`` derives the rendezvous
+    port from the job id, so two jobs sharing a first node do not collide. ``python``
+    runs torchrun as ``python -m torch.distributed.run`` (default: ``torchrun`` on
+    PATH). ``marker``: a token the run directory's ``.ddpnb-submit-marker`` must hold
+    on every node, else the job exits at once with code 97 (no shared filesystem).
+    Each node's output goes to ``run_dir/logs/node-N.log``, lines prefixed by rank;
+    the script's own to ``batch_log`` (in the submit directory unless absolute; its
+    folder must exist before the job starts).
 
     Example
     -------
@@ -130,33 +146,68 @@ def slurm_script(
     """
     as_config(config)
     # The head node's address is known only inside the allocation: a placeholder here.
-    topology = Topology(nnodes, nproc_per_node, "$head_node", master_port)
+    topology = Topology(
+        nnodes, nproc_per_node, "$head_node", master_port or 1, rdzv_timeout, max_restarts
+    )
     run_dir = Path(run_dir)
-    gpus = f"#SBATCH --gpus-per-node={gpus_per_node}\n" if gpus_per_node else ""
-    worker = shlex.quote(str(run_dir / WORKER_NAME))
-    cfg = shlex.quote(str(run_dir / "config.json"))
+    q = shlex.quote
+    options = [
+        f"--job-name={job_name}",
+        f"--nodes={topology.nnodes}",
+        "--ntasks-per-node=1",
+        f"--time={time_limit}",
+        f"--output={batch_log}",  # the batch script's own output; Slurm opens it first
+        "--open-mode=append",  # a requeued job adds to its logs
+    ]
+    options += [f"--partition={partition}"] if partition else []
+    options += [f"--account={account}"] if account else []
+    options += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    header = "\n".join(f"#SBATCH {o}" for o in options)
+    launcher = f"{q(python)} -m torch.distributed.run" if python else "torchrun"
+    # None: a port from the job id, so two jobs whose first node is the same do not collide.
+    port = str(master_port) if master_port else "$master_port"
+    port_line = "" if master_port else "master_port=$((20000 + SLURM_JOB_ID % 20000))\n"
+    check = ""
+    if marker:
+        marker_path = q(str(run_dir / ".ddpnb-submit-marker"))
+        check = f"""
+# The run directory must be on a filesystem every node shares: each node checks that it
+# sees the marker the submit host wrote there, else the job ends at once (exit 97).
+srun --ntasks-per-node=1 bash -c 'grep -qx "$1" "$0" 2>/dev/null || {{ echo "ddpnb: node \
+$SLURMD_NODENAME cannot see $0, the marker written at submission: the run directory must \
+be on a filesystem shared by the submit host and every node." >&2; exit 97; }}' \\
+    {marker_path} {q(marker)}
+"""
     text = f"""#!/bin/bash
-#SBATCH --job-name={job_name}
-#SBATCH --nodes={topology.nnodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --time={time_limit}
-#SBATCH --output=%x-%j.out
-{gpus}
+{header}
+
 # One torchrun agent per node (ntasks-per-node=1); each starts {topology.nproc_per_node} worker(s).
 # The first node of the allocation hosts the c10d rendezvous.
 {FINGERPRINT_NOTE}
 set -euo pipefail
+{check}
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-mkdir -p {shlex.quote(str(run_dir))}/logs
+# The address Slurm itself uses for that node (a node name need not resolve everywhere).
+head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+head_node=${{head_addr:-$head_node}}
+{port_line}mkdir -p {q(str(run_dir))}/logs
 
-srun torchrun \\
+# srun starts one task per node. Its options, set as its environment variables: stop
+# every node when one fails; each node's output to logs/node-N.log (N: the node's index
+# in the job), appended to after a requeue.
+export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
+export SLURM_STDOUTMODE={q(str(run_dir / "logs" / "node-%n.log"))}
+srun {launcher} \\
     --nnodes "$SLURM_NNODES" \\
     --nproc_per_node {topology.nproc_per_node} \\
     --rdzv_backend c10d \\
-    --rdzv_endpoint "{topology.master_addr}:{topology.master_port}" \\
+    --rdzv_endpoint "{topology.master_addr}:{port}" \\
     --rdzv_id "$SLURM_JOB_ID" \\
+    --rdzv_conf join_timeout={topology.rdzv_timeout} \\
     --max_restarts {topology.max_restarts} \\
-    {worker} --config {cfg}
+    --log_dir {q(str(run_dir / "logs" / "torchrun"))} --tee 3 \\
+    --log_line_prefix_template '[rank${{rank}}] ' \\
+    {q(str(run_dir / WORKER_NAME))} --config {q(str(run_dir / "config.json"))}
 """
     if path is not None:
         Path(path).write_text(text)

@@ -1,0 +1,309 @@
+"""Slurm from the notebook, against a real Slurm: a throwaway cluster of two nodes on this host.
+
+munged, slurmctld and two slurmd (tests/slurm_cluster.py) run for the session; every
+run here is a real ``sbatch`` job whose ``srun`` starts one torchrun per Slurm node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config
+from slurm_cluster import PARTITION, SlurmCluster
+
+from ddpnb.errors import ConfigError, DatasetError, WorkerFailed
+from ddpnb.progress import WidgetProgress
+from ddpnb.slurm import (
+    MARKER_NAME,
+    RunDirNotShared,
+    SlurmError,
+    SlurmJobEnded,
+    SlurmRequestError,
+    submit_slurm,
+)
+
+pytestmark = pytest.mark.slow
+ONE_THREAD = dict(threads=1)  # two Slurm nodes share this host's cores
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    if not all(map(_which, ("munged", "slurmctld", "slurmd", "sbatch"))):
+        pytest.fail("slurm-wlm and munge are needed (.ci/run installs them)")
+    cluster = SlurmCluster().start()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])  # Slurm's commands find the cluster
+    try:
+        yield cluster
+    finally:
+        mp.undo()
+        cluster.stop()
+
+
+def _which(name: str) -> bool:
+    import shutil
+
+    return shutil.which(name) is not None
+
+
+def _squeue(job_id: str) -> str:
+    r = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
+    return r.stdout.strip()
+
+
+def _job_pids(job_id: str) -> list[int]:
+    """Every process of this machine that runs in the job (its environment says so)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _still_alive(pids: list[int], seconds: float) -> list[str]:
+    """The command lines of those ``pids`` still alive after ``seconds``."""
+    deadline = time.time() + seconds
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                alive.append(f"{pid}: {cmd[:120]}")
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.3)
+
+
+def _scontrol(*args: str) -> None:
+    subprocess.run(["scontrol", *args], check=True, capture_output=True)
+
+
+# -- preflight: nothing is submitted ----------------------------------------------------------
+
+
+def test_preflight_errors_name_the_problem(slurm, tiny_data, tmp_path, monkeypatch):
+    cfg = tiny_config(tiny_data)
+    with pytest.raises(SlurmRequestError, match="no partition 'gpu'.*debug"):
+        submit_slurm(cfg, tmp_path / "a", nnodes=1, partition="gpu")
+    with pytest.raises(SlurmRequestError, match="nnodes=3.*2 node"):
+        submit_slurm(cfg, tmp_path / "b", nnodes=3)
+    with pytest.raises(SlurmRequestError, match="gpus_per_node=1.*at most 0 GPU"):
+        submit_slurm(cfg, tmp_path / "c", nnodes=1, gpus_per_node=1)
+    with pytest.raises(DatasetError):
+        submit_slurm(tiny_config(tmp_path / "nowhere"), tmp_path / "d", nnodes=1)
+    assert isinstance(SlurmRequestError("x"), ConfigError)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SlurmError, match="sbatch was not found.*Slurm"):
+        submit_slurm(cfg, tmp_path / "e", nnodes=1)
+    assert not any((tmp_path / n).exists() for n in "abcde")  # nothing written, nothing queued
+    assert slurm.run(["squeue", "-h"]).stdout.strip() == ""
+
+
+def test_a_node_that_cannot_see_the_run_dir_stops_the_job_at_once(slurm, tiny_data, tmp_path):
+    run = tmp_path / "r"
+    job = submit_slurm(tiny_config(tiny_data), run, nnodes=2, sbatch_args=["--hold"], wait=False)
+    (run / MARKER_NAME).write_text("another submission\n")  # what a node off the shared FS sees
+    _scontrol("release", job.job_id)
+    t = time.time()
+    with pytest.raises(RunDirNotShared, match="shared by this host and every node"):
+        job.wait()
+    assert time.time() - t < 20  # before any torch import
+    assert "cannot see" in job.batch_log().read_text()
+
+
+# -- a run: pending, running, requeued and resumed, done ------------------------------------
+
+
+def test_submit_pending_running_requeued_done(slurm, tiny_data, tmp_path, layout_run):
+    run = tmp_path / "r"
+    cfg = tiny_config(tiny_data, epochs=3, **ONE_THREAD)
+    job = submit_slurm(cfg, run, nnodes=2, sbatch_args=["--hold"], wait=False, progress="none")
+    assert json.loads((run / "slurm_job.json").read_text())["job_id"] == job.job_id
+    assert job.node_status() == {0: "pending (JobHeldUser)", 1: "pending (JobHeldUser)"}
+    panel = WidgetProgress(job)  # the JupyterLab panel reads the same protocol
+    assert all(">pending (JobHeldUser)<" in row.value for row in panel.node_rows)
+
+    seen = []
+    _scontrol("release", job.job_id)
+    checkpoint = run / "checkpoints" / "last.pt"  # written just after epoch 1's metrics
+    _wait_until(lambda: seen.append(job.node_status()[0]) or checkpoint.exists(), 120, "epoch 1")
+    _scontrol("requeue", job.job_id)  # as after a node failure or a preemption
+    _wait_until(lambda: job.state == "PENDING", 30, "requeued")
+    seen.append(job.node_status()[0])
+    _scontrol("update", f"JobId={job.job_id}", "StartTime=now")  # skip the requeue delay
+    job.wait()
+    panel.close(job)
+    assert [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]][:3] == [
+        "pending (JobHeldUser)",
+        "starting",
+        "running",
+    ]
+    assert seen[-1].startswith("pending (")  # after the requeue
+    assert job.node_status() == {0: "done", 1: "done"}
+    assert all(">done<" in row.value for row in panel.node_rows)
+
+    log = job.log_tail(0, 400) + job.log_tail(1, 400)
+    assert "resumed from" in log and "after epoch 1" in log
+    rows = job.metrics.epochs
+    assert [r["epoch"] for r in rows] == [1, 2, 3]  # the redone epoch is recorded once
+    local = layout_run("1x2").metrics.epochs
+    for r, ref in zip(rows, local):
+        assert (r["world_size"], r["val_samples"]) == (ref["world_size"], ref["val_samples"])
+        assert r["val_samples"] == 37  # every validation image counted once
+    assert sorted(job.metrics.ranks) == [0, 1]
+    assert {rec[-1]["node_rank"] for rec in job.metrics.ranks.values()} == {0, 1}
+    assert _squeue(job.job_id) == ""
+
+
+# -- failures --------------------------------------------------------------------------------
+
+
+def test_a_raising_worker_is_a_worker_failed_with_its_traceback(
+    slurm, tiny_data, tmp_path, monkeypatch
+):
+    # The job's environment is the submitter's (sbatch --export=ALL, Slurm's default).
+    monkeypatch.setenv("DDPNB_FAULT", "rank=1,epoch=1,step=1,mode=raise")
+    run = tmp_path / "r"
+    with pytest.raises(WorkerFailed) as info:
+        submit_slurm(tiny_config(tiny_data, **ONE_THREAD), run, nnodes=2, progress="none")
+    err = info.value
+    assert err.global_rank == 1 and err.exit_code == 1
+    assert "DDPNB_FAULT injected failure at epoch 1 step 1" in err.traceback
+    # c10d hands out the ranks: the node is the one whose log shows rank 1.
+    node_of_rank1 = next(
+        n for n in (0, 1) if "[rank1]" in (run / "logs" / f"node-{n}.log").read_text()
+    )
+    assert err.node_rank == node_of_rank1
+    assert f"Worker global rank 1 on node {node_of_rank1}" in str(err)
+
+
+def test_interrupt_cancels_the_job_and_nothing_is_left(slurm, tiny_data, tmp_path):
+    cfg = tiny_config(tiny_data, epochs=50, **ONE_THREAD)
+    job = submit_slurm(cfg, tmp_path / "r", nnodes=2, wait=False, progress="none")
+    _wait_until(lambda: job.metrics.epochs, 120, "epoch 1")
+    pids = _job_pids(job.job_id)
+    assert len(pids) >= 4  # per node: slurmstepd's tasks, torchrun, a worker
+    # Ctrl-C in the cell. Python's own handler, also where SIGINT came in ignored (a
+    # background shell starts its commands so).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            job.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert job.state == "CANCELLED" and _squeue(job.job_id) == ""
+    # proctrack/linuxproc follows process trees, so a worker whose torchrun exited first
+    # may still be finishing its SIGTERM when Slurm reports the end (cgroups would not
+    # allow that); a few seconds later nothing may be left.
+    left = _still_alive(pids, 10)
+    assert left == [], left
+    assert job.node_status() == {0: "stopped", 1: "stopped"}
+
+
+def test_the_time_limit_is_slurms_typed_error(slurm, tiny_data, tmp_path):
+    # Slurm counts limits in minutes and checks them every 30 s: about 90 s here.
+    cfg = tiny_config(tiny_data, epochs=1000, **ONE_THREAD)
+    with pytest.raises(SlurmJobEnded) as info:
+        submit_slurm(cfg, tmp_path / "r", nnodes=1, time="1", progress="none")
+    err = info.value
+    assert (err.state, err.reason) == ("TIMEOUT", "TimeLimit")
+    assert "time limit" in str(err) and "resume=True" in str(err)
+
+
+# -- attach: the job outlives what submitted it ----------------------------------------------
+
+
+def test_cli_submit_then_attach_from_a_second_kernel(slurm, tiny_data, tmp_path):
+    from jupyter_client import KernelManager
+
+    run = tmp_path / "r"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpnb",
+            "submit",
+            "--run-dir",
+            str(run),
+            "--nnodes",
+            "2",
+            "--data",
+            str(tiny_data),
+            "--image-size",
+            "16",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "8",
+            "--threads",
+            "1",
+            "--partition",
+            PARTITION,
+            "--detach",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads((run / "slurm_job.json").read_text())["job_id"]
+    assert f"submitted Slurm job {job_id}" in r.stdout and "ddpnb attach" in r.stdout
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=str(tmp_path))
+    kc = km.client()
+    kc.start_channels()
+    out: list[str] = []
+    try:
+        kc.wait_for_ready(timeout=60)
+        code = textwrap.dedent(
+            f"""
+            import ddpnb.slurm
+            job = ddpnb.slurm.attach({str(run)!r}, progress="text")
+            print("FINAL", job.job_id, job.state, len(job.metrics.epochs))
+            """
+        )
+        reply = kc.execute_interactive(
+            code, timeout=180, output_hook=lambda m: out.append(m["content"].get("text", ""))
+        )
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    text = "".join(out)
+    assert reply["content"]["status"] == "ok", (reply["content"], text)
+    assert f"FINAL {job_id} COMPLETED 2" in text and "epoch 2/2" in text
+    # Attaching to an ended job reports it at once.
+    r = subprocess.run(
+        [sys.executable, "-m", "ddpnb", "attach", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "run finished" in r.stdout, r.stderr
