@@ -16,9 +16,9 @@ import pytest
 
 import ddpnb
 from ddpnb import cli
+from ddpnb.agent import descendants
 from ddpnb.config import TrainConfig
 from ddpnb.errors import ConfigError
-from ddpnb.agent import descendants
 from ddpnb.job import _alive
 
 
