@@ -75,6 +75,369 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import transforms
 
 # =============================================================================
+# Part 1: DDP, top to bottom
+# =============================================================================
+
+
+@record  # a failing rank's own traceback reaches torchrun's error report
+def main(argv: list[str] | None = None) -> None:
+    """Train this process's share of the run; each line is one step of DDP."""
+    cfg, run_dir, data_dir = read_config(argv)
+    me = who_am_i()
+    monitor = Monitor(cfg, me, run_dir)  # Part 2: progress file, timings, fault injection
+    device, backend = set_up_process(cfg, me)
+    warn_about_pitfalls(cfg, me)
+    fingerprint = check_same_dataset(data_dir, me)
+    monitor.joined()  # every rank got here: the rendezvous is complete
+    data = make_data(cfg, me, data_dir, device)
+
+    torch.manual_seed(cfg["seed"])  # identical init everywhere (DDP also broadcasts rank 0's)
+    model, weights_note = build_model(cfg, data.num_classes)
+    model = wrap_model(model.to(device, memory_format=data.memory_format), cfg, me, device)
+    raw_model = model.module if isinstance(model, DDP) else model  # checkpoints load without DDP
+    optimizer, scheduler = make_optimizer(model, cfg, data.steps_per_epoch)
+    gradients = monitor.watch(model, optimizer, cfg, backend)  # Part 2: comm hook and timing
+    ckpt_path = run_dir / "checkpoints" / "last.pt"
+    start_epoch = resume(ckpt_path, cfg, fingerprint, raw_model, optimizer, scheduler, me)
+    monitor.start_run(start_epoch, data, device, backend, gradients, weights_note)
+
+    amp = cfg["amp"] and device.type == "cuda"  # bf16 autocast on CUDA; CPU trains in fp32
+    for epoch in range(start_epoch, cfg["epochs"] + 1):
+        if cfg["set_epoch"]:  # pitfall set_epoch=False: epoch 0's order forever
+            data.train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        train_sums = train_one_epoch(model, data, optimizer, scheduler, epoch, amp, monitor)
+        val_sums = validate(model, data, amp)
+        metrics = reduce_epoch_metrics(train_sums, val_sums, me)
+        monitor.write_metrics(epoch, metrics, train_sums, val_sums, raw_model, scheduler, data)
+        save_checkpoint(ckpt_path, epoch, cfg, me, raw_model, optimizer, scheduler, fingerprint)
+        if me.distributed:
+            dist.barrier()  # nobody starts the next epoch before the checkpoint is on disk
+
+    monitor.done(data.steps_per_epoch)
+    if me.distributed:
+        dist.destroy_process_group()
+
+
+def read_config(argv: list[str] | None) -> tuple[dict, Path, Path]:
+    """The run's settings (config.json holds every TrainConfig field), run_dir and data_dir."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="config.json written by ddpnb")
+    parser.add_argument("--run-dir", help="where outputs go (default: the config's folder)")
+    args = parser.parse_args(argv)
+    cfg = json.loads(Path(args.config).read_text())
+    run_dir = Path(args.run_dir or Path(args.config).resolve().parent)
+    data_dir = Path(cfg["data_dir"])
+    if not data_dir.is_absolute() and not data_dir.exists():
+        data_dir = run_dir / data_dir  # a relative data_dir may be relative to the run
+    return cfg, run_dir, data_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """Who this process is in the run, in torchrun's terms."""
+
+    distributed: bool  # started by torchrun; False: one plain process
+    global_rank: int  # 0 .. world_size - 1 across all nodes (RANK)
+    local_rank: int  # 0 .. local_world_size - 1 on this node: picks the GPU (LOCAL_RANK)
+    world_size: int  # processes in the whole run (WORLD_SIZE)
+    local_world_size: int  # processes on this node (LOCAL_WORLD_SIZE)
+    node_rank: int  # this node's number; node 0 hosts the rendezvous (GROUP_RANK)
+    restart_count: int  # torchrun restarts so far (TORCHELASTIC_RESTART_COUNT)
+
+    @property
+    def master_process(self) -> bool:
+        return self.global_rank == 0  # does the run's file I/O
+
+    def log(self, msg: str) -> None:
+        # ddpnb's launcher has torchrun prefix every line with the rank already.
+        prefix = "" if os.environ.get("DDPNB_LAUNCHED") else f"[rank {self.global_rank}] "
+        print(prefix + msg, flush=True)
+
+
+def who_am_i() -> Rank:
+    """This process's place in the run, from torchrun's environment (or one process)."""
+    env = os.environ
+    return Rank(
+        distributed="RANK" in env,
+        global_rank=int(env.get("RANK", 0)),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+        node_rank=int(env.get("GROUP_RANK", 0)),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+    )
+
+
+def set_up_process(cfg: dict, me: Rank) -> tuple[torch.device, str]:
+    """Pick this rank's device, then join the process group; returns (device, backend)."""
+    if torch.cuda.is_available() and cfg["backend"] != "gloo":
+        device = torch.device("cuda", me.local_rank)  # one GPU per process on each node
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        set_thread_budget(cfg, me)  # Part 2: this process's share of the host's cores
+    backend = cfg["backend"]
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if me.distributed:
+        join_process_group(backend, cfg["timeout_seconds"], me)
+    me.log(
+        f"node {me.node_rank} local_rank {me.local_rank} of world_size {me.world_size} on "
+        f"{socket.gethostname()}, {device}, backend {backend if me.distributed else 'none'}, "
+        f"threads {torch.get_num_threads()}, attempt {me.restart_count}"
+    )
+    return device, backend
+
+
+def join_process_group(backend: str, timeout_seconds: int, me: Rank) -> None:
+    """Join the run's default process group (``dist.init_process_group``)."""
+    # A collective that waits longer than this fails the run instead of hanging it.
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)  # MASTER_ADDR etc. from torchrun
+        return
+    store = attempt_store(me.restart_count, timeout)  # Part 2: clean keys for each attempt
+    dist.init_process_group(
+        backend, store=store, rank=me.global_rank, world_size=me.world_size, timeout=timeout
+    )
+
+
+def check_same_dataset(data_dir: Path, me: Rank) -> str:
+    """This node's dataset fingerprint, once every rank has shown it holds the same data."""
+    fingerprint = dataset_fingerprint(data_dir)
+    if me.distributed:
+        seen = [None] * me.world_size
+        dist.all_gather_object(seen, (me.node_rank, socket.gethostname(), fingerprint))
+        differing = sorted({(n, h) for n, h, fp in seen if fp != seen[0][2]})
+        if differing:
+            names = ", ".join(f"node {n} ({h})" for n, h in differing)
+            raise RuntimeError(
+                f"The dataset at {data_dir} differs between nodes: {names} hold data whose "
+                f"fingerprint differs from node 0's ({seen[0][2][:12]}). Copy the identical "
+                "dataset to every node (rsync -a, or a shared filesystem) and run again."
+            )
+    return fingerprint
+
+
+@dataclasses.dataclass
+class Data:
+    """This rank's data, as make_data returns it."""
+
+    train_sampler: DistributedSampler  # this rank's shard of train; set_epoch reshuffles it
+    train_batches: Callable[[int], Iterator]  # train_batches(epoch): (x, y) on the device
+    val_batches: Callable[[], Iterator]  # this rank's exact validation shard, in batches
+    steps_per_epoch: int
+    num_classes: int
+    device: torch.device
+    memory_format: torch.memory_format
+    augment: str  # what was made of augment="auto", and why
+    augment_reason: str
+    pipeline: str  # "memory" (decoded once) or "loader" (a DataLoader)
+    decode_seconds: float  # the memory pipeline's one-off decode of every image
+
+
+def make_data(cfg: dict, me: Rank, data_dir: Path, device: torch.device) -> Data:
+    """This rank's shard of train (a DistributedSampler) and of val (exact), as batches."""
+    train_set, val_set, augment, augment_reason = image_folders(cfg, me, data_dir)  # Part 2
+    # Every rank draws the same seeded shuffle and keeps its own 1/world_size of it (padded
+    # with repeats, so every rank takes the same number of steps).
+    # Pitfall distributed_sampler=False: one shard holding the whole split, on every rank.
+    sharded = cfg["distributed_sampler"]
+    train_sampler = DistributedSampler(
+        train_set,
+        num_replicas=me.world_size if sharded else 1,
+        rank=me.global_rank if sharded else 0,
+        shuffle=True,
+        seed=cfg["seed"],
+    )
+    # Validation shards without padding: rank r takes every world_size-th image, so each
+    # image is counted exactly once and the result does not depend on world size.
+    val_indices = list(range(me.global_rank, len(val_set), me.world_size))
+    if not cfg["exact_validation"]:  # pitfall: shards padded with repeated images
+        val_indices = list(
+            DistributedSampler(
+                val_set, num_replicas=me.world_size, rank=me.global_rank, shuffle=False
+            )
+        )
+    pipeline = choose_pipeline(cfg, train_set, val_set)  # Part 2: "memory" if it fits in RAM
+    if pipeline == "memory":  # Part 2: decoded once, batches sliced from tensors
+        train_batches, val_batches, decode_seconds = memory_batches(
+            cfg, me, train_set, val_set, train_sampler, val_indices, augment, device
+        )
+    else:  # the classic pipeline: a DataLoader that draws this rank's indices from the sampler
+        loader_args = dict(
+            batch_size=cfg["batch_size"],
+            num_workers=cfg["num_workers"],
+            pin_memory=device.type == "cuda",
+        )
+        train_loader = DataLoader(train_set, sampler=train_sampler, **loader_args)
+        val_loader = DataLoader(Subset(val_set, val_indices), shuffle=False, **loader_args)
+        train_batches = lambda epoch: on_device(train_loader, device, non_blocking=True)
+        val_batches = lambda: on_device(val_loader, device, non_blocking=False)
+        decode_seconds = 0.0
+    steps_per_epoch = math.ceil(len(train_sampler) / cfg["batch_size"])
+    if cfg["max_steps_per_epoch"]:
+        steps_per_epoch = min(steps_per_epoch, cfg["max_steps_per_epoch"])
+    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
+    return Data(
+        train_sampler=train_sampler,
+        train_batches=train_batches,
+        val_batches=val_batches,
+        steps_per_epoch=steps_per_epoch,
+        num_classes=len(train_set.classes),
+        device=device,
+        memory_format=memory_format,
+        augment=augment,
+        augment_reason=augment_reason,
+        pipeline=pipeline,
+        decode_seconds=decode_seconds,
+    )
+
+
+def wrap_model(model: nn.Module, cfg: dict, me: Rank, device: torch.device) -> nn.Module:
+    """The model in DistributedDataParallel: backward then averages gradients over ranks."""
+    # One process has nobody to average gradients with: DDP would only add its bucket
+    # copies and an all-reduce with itself (about 10% of a 1-process epoch, measured).
+    if me.world_size == 1:
+        return model
+    return DDP(
+        model,
+        device_ids=[me.local_rank] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg["bucket_cap_mb"],
+        gradient_as_bucket_view=True,
+        # Rank 0's BatchNorm statistics are sent once per epoch (sync_buffers), not
+        # before every forward: training never reads them, and a per-step broadcast
+        # is one more point where every rank waits for the slowest.
+        **no_forward_buffer_sync(),
+    )
+
+
+def make_optimizer(model: nn.Module, cfg: dict, steps_per_epoch: int):
+    """SGD with momentum, and its learning-rate schedule (stepped after every step)."""
+    optimizer = make_sgd(model.parameters(), cfg)  # Part 2: the fused kernel where torch has it
+    total_steps = cfg["epochs"] * steps_per_epoch
+    if cfg["lr_schedule"] == "cosine":
+        schedule = lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
+    else:
+        schedule = lambda step: 1.0
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
+    """Load the last checkpoint, if any (also after a torchrun restart): the first epoch to run."""
+    if not path.exists():
+        return 1
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    check_checkpoint_fits(ckpt, path, cfg, fingerprint)  # Part 2: same config, same dataset
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    # Each rank continues its own random streams (the loader pipeline's transforms
+    # draw from them); with another world size the per-epoch seeds still hold.
+    if isinstance(ckpt["rng"], list) and len(ckpt["rng"]) == me.world_size:
+        set_rng_state(ckpt["rng"][me.global_rank], next(model.parameters()).is_cuda)
+    me.log(f"resumed from {path} after epoch {ckpt['epoch']}")
+    return ckpt["epoch"] + 1
+
+
+def train_one_epoch(model, data, optimizer, scheduler, epoch, amp, monitor) -> torch.Tensor:
+    """One pass over this rank's shard of train; returns its sums (loss*n, correct, n)."""
+    model.train()
+    sums = torch.zeros(3, dtype=torch.float64, device=data.device)  # loss*n, correct, n
+    batches = monitor.start_epoch(epoch, data)  # data.train_batches(epoch), timed (Part 2)
+    for step, (x, y) in enumerate(batches):
+        x = x.contiguous(memory_format=data.memory_format)
+        with torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces gradient buckets while backward runs
+        optimizer.step()
+        scheduler.step()
+        sums += batch_sums(loss.detach(), logits, y)
+        monitor.after_step(step, loss)  # Part 2: timings, progress file, fault injection
+    return sums
+
+
+def validate(model, data, amp) -> torch.Tensor:
+    """Sums (loss*n, correct, n) over this rank's exact shard of val."""
+    net = model.module if isinstance(model, DDP) else model
+    if isinstance(model, DDP):
+        sync_buffers(net)  # every rank validates the model rank 0 checkpoints
+    # Validation on the unwrapped model: no DDP collectives inside, so ranks whose
+    # shards differ by one batch cannot hang each other.
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=data.device)
+    with torch.no_grad(), torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=amp):
+        for x, y in data.val_batches():
+            logits = net(x.contiguous(memory_format=data.memory_format))
+            sums += batch_sums(F.cross_entropy(logits.float(), y), logits, y)
+    return sums
+
+
+def batch_sums(loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(loss*n, correct, n) of one batch, in float64: sums, not means, add up over ranks."""
+    n = y.shape[0]
+    return torch.stack(
+        [
+            loss.double() * n,
+            (logits.argmax(1) == y).sum().double(),
+            torch.tensor(float(n), dtype=torch.float64, device=y.device),
+        ]
+    )
+
+
+def sync_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics)."""
+    for b in model.buffers():
+        dist.broadcast(b, src=0)
+
+
+def reduce_epoch_metrics(train_sums: torch.Tensor, val_sums: torch.Tensor, me: Rank) -> dict:
+    """The epoch's metrics over all ranks: sums and counts are reduced, then divided."""
+    # This rank's own means (loss, acc for train then val) ride along in the same
+    # all_reduce: their average is the mean of means that reduce_sums=False reports.
+    rank_means = torch.cat([s[:2] / s[2].clamp(min=1) for s in (train_sums, val_sums)])
+    totals = torch.cat([train_sums, val_sums, rank_means])
+    if me.distributed:
+        dist.all_reduce(totals)  # sums and counts, never means of means
+    train_loss, train_correct, train_n, val_loss, val_correct, val_n = totals[:6].tolist()
+    return {
+        "train_loss": train_loss / train_n,
+        "train_acc": train_correct / train_n,
+        "val_loss": val_loss / max(val_n, 1),
+        "val_acc": val_correct / max(val_n, 1),
+        "train_samples": int(train_n),
+        "val_samples": int(val_n),
+        "mean_of_means": (totals[6:] / me.world_size).tolist(),
+        "rank_means": rank_means.tolist(),
+    }
+
+
+def save_checkpoint(path, epoch, cfg, me, model, optimizer, scheduler, fingerprint) -> None:
+    """Rank 0 saves what resuming needs: model, optimizer, schedule, epoch, every rank's RNG."""
+    if epoch % cfg["checkpoint_every"] != 0 and epoch != cfg["epochs"]:
+        return
+    use_cuda = next(model.parameters()).is_cuda
+    rngs = [rng_state(use_cuda)]
+    if me.distributed:  # a collective: every rank takes part, rank 0 keeps the list
+        rngs = [None] * me.world_size
+        dist.all_gather_object(rngs, rng_state(use_cuda))
+    if me.master_process:  # one copy is enough: every rank holds the same weights
+        ckpt = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "epoch": epoch,
+            "sampler_epoch": epoch,
+            "config": cfg,
+            "fingerprint": fingerprint,
+            "rng": rngs,  # one entry per global rank
+        }
+        write_checkpoint(ckpt, path, epoch)  # Part 2: atomic; a full disk keeps the last one
+
+
+# =============================================================================
 # Part 2: the machinery (what Part 1 calls to be robust and measurable)
 # =============================================================================
 
@@ -981,369 +1344,6 @@ def set_rng_state(state: dict, use_cuda: bool) -> None:
     random.setstate((3, tuple(state["python"]), None))
     if use_cuda and state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# =============================================================================
-# Part 1: DDP, top to bottom
-# =============================================================================
-
-
-@record  # a failing rank's own traceback reaches torchrun's error report
-def main(argv: list[str] | None = None) -> None:
-    """Train this process's share of the run; each line is one step of DDP."""
-    cfg, run_dir, data_dir = read_config(argv)
-    me = who_am_i()
-    monitor = Monitor(cfg, me, run_dir)  # Part 2: progress.json, timings, DDPNB_FAULT, watchdog
-    device, backend = set_up_process(cfg, me)
-    warn_about_pitfalls(cfg, me)
-    fingerprint = check_same_dataset(data_dir, me)
-    monitor.joined()  # every rank got here: the rendezvous is complete
-    data = make_data(cfg, me, data_dir, device)
-
-    torch.manual_seed(cfg["seed"])  # identical init everywhere (DDP also broadcasts rank 0's)
-    model, weights_note = build_model(cfg, data.num_classes)
-    model = wrap_model(model.to(device, memory_format=data.memory_format), cfg, me, device)
-    raw_model = model.module if isinstance(model, DDP) else model
-    optimizer, scheduler = make_optimizer(model, cfg, data.steps_per_epoch)
-    gradients = monitor.watch(model, optimizer, cfg, backend)  # Part 2: comm hook and timing
-    ckpt_path = run_dir / "checkpoints" / "last.pt"
-    start_epoch = resume(ckpt_path, cfg, fingerprint, raw_model, optimizer, scheduler, me)
-    monitor.start_run(start_epoch, data, device, backend, gradients, weights_note)
-
-    amp = cfg["amp"] and device.type == "cuda"  # bf16 autocast on CUDA; CPU trains in fp32
-    for epoch in range(start_epoch, cfg["epochs"] + 1):
-        if cfg["set_epoch"]:  # pitfall set_epoch=False: epoch 0's order forever
-            data.train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        train_sums = train_one_epoch(model, data, optimizer, scheduler, epoch, amp, monitor)
-        val_sums = validate(model, data, amp)
-        metrics = reduce_epoch_metrics(train_sums, val_sums, me)
-        monitor.write_metrics(epoch, metrics, train_sums, val_sums, raw_model, scheduler, data)
-        save_checkpoint(ckpt_path, epoch, cfg, me, raw_model, optimizer, scheduler, fingerprint)
-        if me.distributed:
-            dist.barrier()  # nobody starts the next epoch before the checkpoint is on disk
-
-    monitor.done(data.steps_per_epoch)
-    if me.distributed:
-        dist.destroy_process_group()
-
-
-def read_config(argv: list[str] | None) -> tuple[dict, Path, Path]:
-    """The run's settings (config.json holds every TrainConfig field), run_dir and data_dir."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="config.json written by ddpnb")
-    parser.add_argument("--run-dir", help="where outputs go (default: the config's folder)")
-    args = parser.parse_args(argv)
-    cfg = json.loads(Path(args.config).read_text())
-    run_dir = Path(args.run_dir or Path(args.config).resolve().parent)
-    data_dir = Path(cfg["data_dir"])
-    if not data_dir.is_absolute() and not data_dir.exists():
-        data_dir = run_dir / data_dir  # a relative data_dir may be relative to the run
-    return cfg, run_dir, data_dir
-
-
-@dataclasses.dataclass(frozen=True)
-class Rank:
-    """Who this process is in the run, in torchrun's terms."""
-
-    distributed: bool  # started by torchrun; False: one plain process
-    global_rank: int  # 0 .. world_size - 1 across all nodes (RANK)
-    local_rank: int  # 0 .. local_world_size - 1 on this node: picks the GPU (LOCAL_RANK)
-    world_size: int  # processes in the whole run (WORLD_SIZE)
-    local_world_size: int  # processes on this node (LOCAL_WORLD_SIZE)
-    node_rank: int  # this node's number; node 0 hosts the rendezvous (GROUP_RANK)
-    restart_count: int  # torchrun restarts so far (TORCHELASTIC_RESTART_COUNT)
-
-    @property
-    def master_process(self) -> bool:
-        return self.global_rank == 0  # does the run's file I/O
-
-    def log(self, msg: str) -> None:
-        # ddpnb's launcher has torchrun prefix every line with the rank already.
-        prefix = "" if os.environ.get("DDPNB_LAUNCHED") else f"[rank {self.global_rank}] "
-        print(prefix + msg, flush=True)
-
-
-def who_am_i() -> Rank:
-    """This process's place in the run, from torchrun's environment (or one process)."""
-    env = os.environ
-    return Rank(
-        distributed="RANK" in env,
-        global_rank=int(env.get("RANK", 0)),
-        local_rank=int(env.get("LOCAL_RANK", 0)),
-        world_size=int(env.get("WORLD_SIZE", 1)),
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
-        node_rank=int(env.get("GROUP_RANK", 0)),
-        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
-    )
-
-
-def set_up_process(cfg: dict, me: Rank) -> tuple[torch.device, str]:
-    """Pick this rank's device, then join the process group; returns (device, backend)."""
-    if torch.cuda.is_available() and cfg["backend"] != "gloo":
-        device = torch.device("cuda", me.local_rank)  # one GPU per process on each node
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        set_thread_budget(cfg, me)  # Part 2: this process's share of the host's cores
-    backend = cfg["backend"]
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if me.distributed:
-        join_process_group(backend, cfg["timeout_seconds"], me)
-    me.log(
-        f"node {me.node_rank} local_rank {me.local_rank} of world_size {me.world_size} on "
-        f"{socket.gethostname()}, {device}, backend {backend if me.distributed else 'none'}, "
-        f"threads {torch.get_num_threads()}, attempt {me.restart_count}"
-    )
-    return device, backend
-
-
-def join_process_group(backend: str, timeout_seconds: int, me: Rank) -> None:
-    """Join the run's default process group (``dist.init_process_group``)."""
-    # A collective that waits longer than this fails the run instead of hanging it.
-    timeout = datetime.timedelta(seconds=timeout_seconds)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)  # MASTER_ADDR etc. from torchrun
-        return
-    store = attempt_store(me.restart_count, timeout)  # Part 2: clean keys for each attempt
-    dist.init_process_group(
-        backend, store=store, rank=me.global_rank, world_size=me.world_size, timeout=timeout
-    )
-
-
-def check_same_dataset(data_dir: Path, me: Rank) -> str:
-    """This node's dataset fingerprint, once every rank has shown it holds the same data."""
-    fingerprint = dataset_fingerprint(data_dir)
-    if me.distributed:
-        seen = [None] * me.world_size
-        dist.all_gather_object(seen, (me.node_rank, socket.gethostname(), fingerprint))
-        differing = sorted({(n, h) for n, h, fp in seen if fp != seen[0][2]})
-        if differing:
-            names = ", ".join(f"node {n} ({h})" for n, h in differing)
-            raise RuntimeError(
-                f"The dataset at {data_dir} differs between nodes: {names} hold data whose "
-                f"fingerprint differs from node 0's ({seen[0][2][:12]}). Copy the identical "
-                "dataset to every node (rsync -a, or a shared filesystem) and run again."
-            )
-    return fingerprint
-
-
-@dataclasses.dataclass
-class Data:
-    """This rank's data, as make_data returns it."""
-
-    train_sampler: DistributedSampler  # this rank's shard of train; set_epoch reshuffles it
-    train_batches: Callable[[int], Iterator]  # train_batches(epoch): (x, y) on the device
-    val_batches: Callable[[], Iterator]  # this rank's exact validation shard, in batches
-    steps_per_epoch: int
-    num_classes: int
-    device: torch.device
-    memory_format: torch.memory_format
-    augment: str  # what was made of augment="auto", and why
-    augment_reason: str
-    pipeline: str  # "memory" (decoded once) or "loader" (a DataLoader)
-    decode_seconds: float  # the memory pipeline's one-off decode of every image
-
-
-def make_data(cfg: dict, me: Rank, data_dir: Path, device: torch.device) -> Data:
-    """This rank's shard of train (a DistributedSampler) and of val (exact), as batches."""
-    train_set, val_set, augment, augment_reason = image_folders(cfg, me, data_dir)  # Part 2
-    # Every rank draws the same seeded shuffle and keeps its own 1/world_size of it (padded
-    # with repeats, so every rank takes the same number of steps).
-    # Pitfall distributed_sampler=False: one shard holding the whole split, on every rank.
-    sharded = cfg["distributed_sampler"]
-    train_sampler = DistributedSampler(
-        train_set,
-        num_replicas=me.world_size if sharded else 1,
-        rank=me.global_rank if sharded else 0,
-        shuffle=True,
-        seed=cfg["seed"],
-    )
-    # Validation shards without padding: rank r takes every world_size-th image, so each
-    # image is counted exactly once and the result does not depend on world size.
-    val_indices = list(range(me.global_rank, len(val_set), me.world_size))
-    if not cfg["exact_validation"]:  # pitfall: shards padded with repeated images
-        val_indices = list(
-            DistributedSampler(
-                val_set, num_replicas=me.world_size, rank=me.global_rank, shuffle=False
-            )
-        )
-    pipeline = choose_pipeline(cfg, train_set, val_set)  # Part 2: "memory" if it fits in RAM
-    if pipeline == "memory":  # Part 2: decoded once, batches sliced from tensors
-        train_batches, val_batches, decode_seconds = memory_batches(
-            cfg, me, train_set, val_set, train_sampler, val_indices, augment, device
-        )
-    else:  # the classic pipeline: a DataLoader that draws this rank's indices from the sampler
-        loader_args = dict(
-            batch_size=cfg["batch_size"],
-            num_workers=cfg["num_workers"],
-            pin_memory=device.type == "cuda",
-        )
-        train_loader = DataLoader(train_set, sampler=train_sampler, **loader_args)
-        val_loader = DataLoader(Subset(val_set, val_indices), shuffle=False, **loader_args)
-        train_batches = lambda epoch: on_device(train_loader, device, non_blocking=True)
-        val_batches = lambda: on_device(val_loader, device, non_blocking=False)
-        decode_seconds = 0.0
-    steps_per_epoch = math.ceil(len(train_sampler) / cfg["batch_size"])
-    if cfg["max_steps_per_epoch"]:
-        steps_per_epoch = min(steps_per_epoch, cfg["max_steps_per_epoch"])
-    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
-    return Data(
-        train_sampler=train_sampler,
-        train_batches=train_batches,
-        val_batches=val_batches,
-        steps_per_epoch=steps_per_epoch,
-        num_classes=len(train_set.classes),
-        device=device,
-        memory_format=memory_format,
-        augment=augment,
-        augment_reason=augment_reason,
-        pipeline=pipeline,
-        decode_seconds=decode_seconds,
-    )
-
-
-def wrap_model(model: nn.Module, cfg: dict, me: Rank, device: torch.device) -> nn.Module:
-    """The model in DistributedDataParallel: backward then averages gradients over ranks."""
-    # One process has nobody to average gradients with: DDP would only add its bucket
-    # copies and an all-reduce with itself (about 10% of a 1-process epoch, measured).
-    if me.world_size == 1:
-        return model
-    return DDP(
-        model,
-        device_ids=[me.local_rank] if device.type == "cuda" else None,
-        bucket_cap_mb=cfg["bucket_cap_mb"],
-        gradient_as_bucket_view=True,
-        # Rank 0's BatchNorm statistics are sent once per epoch (sync_buffers), not
-        # before every forward: training never reads them, and a per-step broadcast
-        # is one more point where every rank waits for the slowest.
-        **no_forward_buffer_sync(),
-    )
-
-
-def make_optimizer(model: nn.Module, cfg: dict, steps_per_epoch: int):
-    """SGD with momentum, and its learning-rate schedule (stepped after every step)."""
-    optimizer = make_sgd(model.parameters(), cfg)  # Part 2: the fused kernel where torch has it
-    total_steps = cfg["epochs"] * steps_per_epoch
-    if cfg["lr_schedule"] == "cosine":
-        schedule = lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
-    else:
-        schedule = lambda step: 1.0
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
-    """Load the last checkpoint, if any (also after a torchrun restart): the first epoch to run."""
-    if not path.exists():
-        return 1
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    check_checkpoint_fits(ckpt, path, cfg, fingerprint)  # Part 2: same config, same dataset
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    scheduler.load_state_dict(ckpt["scheduler"])
-    # Each rank continues its own random streams (the loader pipeline's transforms
-    # draw from them); with another world size the per-epoch seeds still hold.
-    if isinstance(ckpt["rng"], list) and len(ckpt["rng"]) == me.world_size:
-        set_rng_state(ckpt["rng"][me.global_rank], next(model.parameters()).is_cuda)
-    me.log(f"resumed from {path} after epoch {ckpt['epoch']}")
-    return ckpt["epoch"] + 1
-
-
-def train_one_epoch(model, data, optimizer, scheduler, epoch, amp, monitor) -> torch.Tensor:
-    """One pass over this rank's shard of train; returns its sums (loss*n, correct, n)."""
-    model.train()
-    sums = torch.zeros(3, dtype=torch.float64, device=data.device)  # loss*n, correct, n
-    batches = monitor.start_epoch(epoch, data)  # data.train_batches(epoch), timed (Part 2)
-    for step, (x, y) in enumerate(batches):
-        x = x.contiguous(memory_format=data.memory_format)
-        with torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=amp):
-            logits = model(x)
-            loss = F.cross_entropy(logits, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP all-reduces gradient buckets while backward runs
-        optimizer.step()
-        scheduler.step()
-        sums += batch_sums(loss.detach(), logits, y)
-        monitor.after_step(step, loss)  # Part 2: timings, progress.json, DDPNB_FAULT, watchdog
-    return sums
-
-
-def validate(model, data, amp) -> torch.Tensor:
-    """Sums (loss*n, correct, n) over this rank's exact shard of val."""
-    net = model.module if isinstance(model, DDP) else model
-    if isinstance(model, DDP):
-        sync_buffers(net)  # every rank validates the model rank 0 checkpoints
-    # Validation on the unwrapped model: no DDP collectives inside, so ranks whose
-    # shards differ by one batch cannot hang each other.
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=data.device)
-    with torch.no_grad(), torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=amp):
-        for x, y in data.val_batches():
-            logits = net(x.contiguous(memory_format=data.memory_format))
-            sums += batch_sums(F.cross_entropy(logits.float(), y), logits, y)
-    return sums
-
-
-def batch_sums(loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(loss*n, correct, n) of one batch, in float64: sums, not means, add up over ranks."""
-    n = y.shape[0]
-    return torch.stack(
-        [
-            loss.double() * n,
-            (logits.argmax(1) == y).sum().double(),
-            torch.tensor(float(n), dtype=torch.float64, device=y.device),
-        ]
-    )
-
-
-def sync_buffers(model: nn.Module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running statistics)."""
-    for b in model.buffers():
-        dist.broadcast(b, src=0)
-
-
-def reduce_epoch_metrics(train_sums: torch.Tensor, val_sums: torch.Tensor, me: Rank) -> dict:
-    """The epoch's metrics over all ranks: sums and counts are reduced, then divided."""
-    # This rank's own means (loss, acc for train then val) ride along in the same
-    # all_reduce: their average is the mean of means that reduce_sums=False reports.
-    rank_means = torch.cat([s[:2] / s[2].clamp(min=1) for s in (train_sums, val_sums)])
-    totals = torch.cat([train_sums, val_sums, rank_means])
-    if me.distributed:
-        dist.all_reduce(totals)  # sums and counts, never means of means
-    train_loss, train_correct, train_n, val_loss, val_correct, val_n = totals[:6].tolist()
-    return {
-        "train_loss": train_loss / train_n,
-        "train_acc": train_correct / train_n,
-        "val_loss": val_loss / max(val_n, 1),
-        "val_acc": val_correct / max(val_n, 1),
-        "train_samples": int(train_n),
-        "val_samples": int(val_n),
-        "mean_of_means": (totals[6:] / me.world_size).tolist(),
-        "rank_means": rank_means.tolist(),
-    }
-
-
-def save_checkpoint(path, epoch, cfg, me, model, optimizer, scheduler, fingerprint) -> None:
-    """Rank 0 saves what resuming needs: model, optimizer, schedule, epoch, every rank's RNG."""
-    if epoch % cfg["checkpoint_every"] != 0 and epoch != cfg["epochs"]:
-        return
-    use_cuda = next(model.parameters()).is_cuda
-    rngs = [rng_state(use_cuda)]
-    if me.distributed:  # a collective: every rank takes part, rank 0 keeps the list
-        rngs = [None] * me.world_size
-        dist.all_gather_object(rngs, rng_state(use_cuda))
-    if me.master_process:  # one copy is enough: every rank holds the same weights
-        ckpt = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "epoch": epoch,
-            "sampler_epoch": epoch,
-            "config": cfg,
-            "fingerprint": fingerprint,
-            "rng": rngs,  # one entry per global rank
-        }
-        write_checkpoint(ckpt, path, epoch)  # Part 2: atomic; a full disk keeps the last one
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""The worker's own source text, by name: what the notebooks print to show a DDP step.
+
+Stdlib only, so it never imports torch: it reads ``ddpnb/worker.py`` (the file copied into
+every run as ``train_ddp.py``) as text and finds its top-level definitions with ``ast``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+WORKER_PATH = Path(__file__).with_name("worker.py")
+#: The comment line that opens Part 2 of the worker (the machinery below the DDP story).
+PART2_BANNER = "# Part 2: the machinery"
+
+
+def _definitions(text: str) -> dict[str, tuple[int, int]]:
+    """Top-level function and class names -> (first, last) line, 1-based, decorators included."""
+    spans = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            spans[node.name] = (first, node.end_lineno)
+    return spans
+
+
+def worker_source(*names: str) -> str:
+    """The exact text of the named top-level functions or classes of the worker.
+
+    Each definition is a slice of ``ddpnb/worker.py`` from its first decorator to its
+    last line; several are joined by one blank line, in the order asked for.
+
+    Raises
+    ------
+    ValueError
+        When no name is given or a name is not defined at the worker's top level; the
+        message lists the names that are.
+
+    Example
+    -------
+    >>> print(worker_source("sync_buffers"))
+    def sync_buffers(model: nn.Module) -> None:
+        \"\"\"Give every rank rank 0's buffers (BatchNorm running statistics).\"\"\"
+        for b in model.buffers():
+            dist.broadcast(b, src=0)
+    <BLANKLINE>
+    """
+    text = WORKER_PATH.read_text()
+    spans = _definitions(text)
+    unknown = [name for name in names if name not in spans]
+    if unknown or not names:
+        what = f"defines no top-level {', '.join(map(repr, unknown))}" if unknown else "names"
+        raise ValueError(f"{WORKER_PATH.name} {what}; name one or more of: {', '.join(spans)}.")
+    lines = text.splitlines(keepends=True)
+    return "\n".join("".join(lines[first - 1 : last]) for first, last in map(spans.get, names))
+
+
+def worker_part1_names() -> list[str]:
+    """Names of the worker's top-level definitions in Part 1 (above the Part 2 banner), in order.
+
+    Example
+    -------
+    >>> worker_part1_names()[:2]
+    ['main', 'read_config']
+    """
+    text = WORKER_PATH.read_text()
+    banner = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith(PART2_BANNER))
+    return [name for name, (first, _) in _definitions(text).items() if first < banner]
