@@ -20,6 +20,7 @@ import pytest
 from conftest import tiny_config
 from slurm_cluster import PARTITION, SlurmCluster
 
+from ddpnb.demo import NOTEBOOKS, ipc_kernel_manager
 from ddpnb.errors import ConfigError, DatasetError, WorkerFailed
 from ddpnb.progress import WidgetProgress
 from ddpnb.slurm import (
@@ -307,3 +308,60 @@ def test_cli_submit_then_attach_from_a_second_kernel(slurm, tiny_data, tmp_path)
         timeout=60,
     )
     assert r.returncode == 0 and "run finished" in r.stdout, r.stderr
+
+
+# -- notebook 08 -----------------------------------------------------------------------------
+
+
+def test_notebook_08_submits_to_slurm(slurm, digits_data, tmp_path):
+    import papermill
+
+    out = tmp_path / "08_slurm.ipynb"
+    papermill.execute_notebook(
+        str(NOTEBOOKS / "08_slurm.ipynb"),
+        str(out),
+        parameters={
+            "data_dir": str(digits_data),
+            "run_dir": str(tmp_path / "slurm-run"),
+            "out_dir": str(tmp_path),
+            "nnodes": 2,
+            "epochs": 1,
+            "max_steps_per_epoch": 3,
+            "progress": "text",
+        },
+        kernel_name="python3",
+        execution_timeout=300,
+        cwd=str(tmp_path),
+        progress_bar=False,
+        kernel_manager_class=ipc_kernel_manager(),
+    )
+    summary = json.loads((tmp_path / "08_summary.json").read_text())
+    assert summary["slurm"] is True and summary["state"] == "COMPLETED"
+    assert summary["world_size"] == 2 and summary["epochs"] == 1
+    assert (tmp_path / "08_slurm_curves.png").read_bytes()[:4] == b"\x89PNG"
+    text = out.read_text()
+    assert "srun" in text and "sbatch --parsable" in text
+
+
+def test_notebook_08_without_slurm_prints_the_script(digits_data, tmp_path):
+    import papermill
+
+    out = tmp_path / "08_slurm.ipynb"
+    papermill.execute_notebook(
+        str(NOTEBOOKS / "08_slurm.ipynb"),
+        str(out),
+        parameters={
+            "data_dir": str(digits_data),
+            "run_dir": str(tmp_path / "slurm-run"),
+            "out_dir": str(tmp_path),
+            "use_slurm": False,
+        },
+        kernel_name="python3",
+        execution_timeout=120,
+        cwd=str(tmp_path),
+        progress_bar=False,
+        kernel_manager_class=ipc_kernel_manager(),
+    )
+    text = out.read_text()
+    assert "#SBATCH --nodes=2" in text and "srun torchrun" in text and "sbatch " in text
+    assert json.loads((tmp_path / "08_summary.json").read_text())["slurm"] is False
