@@ -8,6 +8,7 @@ import pytest
 
 import ddpnb
 from ddpnb.demo import NOTEBOOKS, ipc_kernel_manager, notebook_parameters
+from ddpnb.source import worker_source
 
 ALL = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 MAX_CELL_LINES = 8  # code cells call the package; the prose teaches
@@ -83,6 +84,14 @@ def _summary(out: Path, stem: str) -> dict:
     return json.loads((out / f"{stem}_summary.json").read_text())
 
 
+def _printed(path: Path) -> str:
+    """Everything the executed notebook's cells printed."""
+    nb = nbformat.read(path, as_version=4)
+    return "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
+
+
 @pytest.mark.slow
 def test_01_dataset_prep(executed):
     out, failures = executed("01_dataset_prep.ipynb")
@@ -105,6 +114,9 @@ def test_02_baseline(executed):
     rows = [json.loads(x) for x in (out / "baseline" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["world_size"] == 1 and rows[0]["val_samples"] == 360
     assert (out / "02_baseline_curves.png").exists()
+    printed = _printed(out / "02_single_node_baseline.ipynb")
+    for name in ("main", "make_data", "reduce_epoch_metrics"):  # the worker's own text
+        assert worker_source(name) in printed
 
 
 @pytest.mark.slow
@@ -118,6 +130,9 @@ def test_03_multi_node(executed):
     assert (out / "03_ddp_vs_baseline.png").exists()
     base, ddp = (json.loads((out / d / "config.json").read_text()) for d in ("baseline", "ddp"))
     assert {k for k in base if base[k] != ddp[k]} == {"batch_size"}  # the baseline's config
+    printed = _printed(out / "03_multi_node_ddp.ipynb")
+    assert worker_source("wrap_model", "train_one_epoch") in printed
+    assert worker_source("validate") in printed
     text = (out / "03_multi_node_ddp.ipynb").read_text()
     assert "srun torchrun" in text and "--node_rank=1" in text
 
