@@ -6,6 +6,7 @@ import io
 import os
 import sys
 import time
+from html import escape
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -130,6 +131,7 @@ def _start_line(job: Job) -> str:
         f"ddpnb: {job.nnodes} node(s) x {job.nproc_per_node} process(es) = world size "
         f"{job.world_size}; node 0 is the master and hosts the rendezvous at "
         f"{job.master_addr}:{job.master_port}; run dir {job.run_dir}"
+        + (f"; hosts {', '.join(hosts)}" if (hosts := getattr(job, "hosts", None)) else "")
     )
 
 
@@ -230,6 +232,9 @@ class WidgetProgress:
             color = STATUS_COLORS.get(state, "#888")
             ranks = range(n * self.job.nproc_per_node, (n + 1) * self.job.nproc_per_node)
             role = " (master, hosts the rendezvous)" if n == 0 else ""
+            hosts = getattr(self.job, "hosts", None)  # real hosts (SSH): name each node's
+            if hosts:
+                role = f" on {escape(hosts[n])}{role}"
             html = (
                 f"<span style='display:inline-block;min-width:5.5em'>node {n}</span> "
                 f"<span style='background:{color};color:white;border-radius:3px;padding:0 6px;"

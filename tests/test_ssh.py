@@ -170,15 +170,17 @@ KERNEL_KILL = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["sigkill", "sigterm-cli"])
+@pytest.mark.parametrize("how", ["sigkill", "sigint", "sigterm-cli"])
 def test_the_launcher_ending_ends_every_host(hosts, tiny_data, tmp_path, how):
     cfg = tiny_config(tiny_data, threads=1, epochs=200)
     run = tmp_path / "run"
-    if how == "sigkill":  # a kernel killed outright: none of its cleanup code runs
+    if how in ("sigkill", "sigint"):  # a kernel killed outright, or a cell interrupted
         args = {"config": cfg.to_dict(), "run_dir": str(run), "hosts": hosts.names,
                 "ssh_config": str(hosts.ssh_config), "env": hosts.env}  # fmt: skip
         cmd = [sys.executable, "-c", KERNEL_KILL, json.dumps(args)]
-        sig = signal.SIGKILL
+        sig = (
+            signal.SIGKILL if how == "sigkill" else signal.SIGINT
+        )  # SIGINT: Ctrl-C, a cell interrupt
     else:
         cfg.save(tmp_path / "cfg.json")
         cmd = [sys.executable, "-m", "ddpnb", "train", "--config", str(tmp_path / "cfg.json"),
@@ -202,6 +204,9 @@ def test_the_launcher_ending_ends_every_host(hosts, tiny_data, tmp_path, how):
         assert not left, left
         if how == "sigterm-cli":
             assert launcher.wait(timeout=10) == 128 + signal.SIGTERM
+        if how == "sigint":
+            _, err = launcher.communicate(timeout=10)
+            assert "KeyboardInterrupt" in err and "Interrupted: stopped every process" in _
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -228,6 +233,11 @@ def test_a_cut_link_is_a_lost_node_named_by_host(hosts, tiny_data, tmp_path):
     assert "resume=True" in str(info.value)
     assert elapsed < cfg.timeout_seconds + 30, elapsed
     assert not _no_leftovers(hosts, within=cfg.timeout_seconds + 15)
+    # The run is resumable: from node 0's last checkpoint, to one more epoch.
+    done = len(job.metrics.epochs)
+    cfg = cfg.replace(epochs=done + 1)
+    job = _launch(hosts, cfg, tmp_path / "run", hosts.names, resume=True)
+    assert [r["epoch"] for r in job.metrics.epochs] == list(range(1, done + 2))
 
 
 def test_bad_arguments_are_refused_before_any_ssh(tiny_data, tmp_path):
