@@ -33,9 +33,10 @@ from .diagnosis import SECONDARY_ERRORS, log_tail, read_error_file, resume_hint
 from .errors import ConfigError, LaunchError, RunFailed, WorkerFailed
 from .log import logger
 from .metrics import RunMetrics, load_metrics, read_progress
-from .preflight import check_launch, warn_pitfalls
+from .preflight import as_config, check_run, warn_pitfalls
 from .progress import make_progress
 from .rundir import prepare_run_dir, write_worker
+from .topology import Topology
 
 POLL_SECONDS = 2.0  # between questions to slurmctld: a shared service, asked gently
 FILE_POLL_SECONDS = 0.5  # between reads of the run directory (progress, metrics)
@@ -359,7 +360,8 @@ class SlurmJob:
             started = _timestamp(info.get("StartTime", "")) or self.started_at
             joined = read_progress(self.run_dir).get("time", 0) >= started - 1
             return {n: "running" if joined else "starting" for n in range(self.nnodes)}
-        if state == "COMPLETED" and self.error is None:
+        finished = state == "COMPLETED" or (state == "UNKNOWN" and self._finished_on_disk())
+        if finished and self.error is None:
             return dict.fromkeys(range(self.nnodes), "done")
         failed = {n for n, _, _ in _failed_ranks(self.run_dir, self.nnodes)}
         stopped = "stopped" if self._cancelled_here else "failed"
@@ -436,6 +438,8 @@ class SlurmJob:
         exit_code = _exit_code(info.get("ExitCode", ""))
         if state == "COMPLETED" and exit_code in (0, None):
             return None
+        if state == "UNKNOWN" and self._finished_on_disk():
+            return None  # ended long ago (Slurm forgot it), and the run directory says done
         if exit_code == NOT_SHARED_EXIT:
             return RunDirNotShared(
                 f"Slurm job {self.job_id} stopped at once: a node could not see the run directory "
@@ -458,6 +462,10 @@ class SlurmJob:
             exit_code=exit_code,
             log_tail=self.log_tail(0, 20) or _read_tail(self.batch_log(), 20),
         )
+
+    def _finished_on_disk(self) -> bool:
+        done = read_progress(self.run_dir).get("phase") == "done"
+        return done and len(self.metrics.epochs) >= self.config.epochs
 
     def _worker_failure(self, exit_code: int | None) -> RunFailed:
         errors = _failed_ranks(self.run_dir, self.nnodes)
@@ -600,18 +608,9 @@ def submit_slurm(
     >>> job.metrics.final["val_acc"]                                             # doctest: +SKIP
     0.97
     """
-    # The port is the job's (from its id); the placeholder skips a local port check.
-    config, topology, _ = check_launch(
-        config,
-        nnodes=nnodes,
-        nproc_per_node=nproc_per_node,
-        master_addr="slurm-head-node",
-        master_port=29500,
-        max_restarts=max_restarts,
-        rdzv_timeout=rdzv_timeout,
-        local_nodes=[],
-        progress=progress,
-    )
+    # The first node and the port are the job's, known once it runs: placeholders here.
+    topology = Topology(nnodes, nproc_per_node, FIRST_NODE, 29500, rdzv_timeout, max_restarts)
+    config = check_run(as_config(config), topology, progress)  # the dataset, model, batch
     if not isinstance(sbatch_args, (list, tuple)) or not all(
         isinstance(a, str) for a in sbatch_args
     ):

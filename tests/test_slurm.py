@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from conftest import tiny_config
 from slurm_cluster import PARTITION, SlurmCluster
 
 from ddpnb.demo import NOTEBOOKS, ipc_kernel_manager
-from ddpnb.errors import ConfigError, DatasetError, WorkerFailed
+from ddpnb.errors import ConfigError, DatasetError, LaunchError, WorkerFailed
 from ddpnb.progress import WidgetProgress
 from ddpnb.slurm import (
     MARKER_NAME,
@@ -29,6 +30,7 @@ from ddpnb.slurm import (
     SlurmError,
     SlurmJobEnded,
     SlurmRequestError,
+    attach,
     submit_slurm,
 )
 
@@ -51,8 +53,6 @@ def slurm():
 
 
 def _which(name: str) -> bool:
-    import shutil
-
     return shutil.which(name) is not None
 
 
@@ -308,6 +308,20 @@ def test_cli_submit_then_attach_from_a_second_kernel(slurm, tiny_data, tmp_path)
         timeout=60,
     )
     assert r.returncode == 0 and "run finished" in r.stdout, r.stderr
+
+
+def test_attach_to_a_job_slurm_has_forgotten(slurm, tmp_path, layout_run):
+    with pytest.raises(LaunchError, match="no submitted Slurm job"):
+        attach(tmp_path)
+    # A finished run whose job left slurmctld long ago (MinJobAge), without accounting.
+    run = Path(shutil.copytree(layout_run("1x2").run_dir, tmp_path / "r"))
+    (run / "slurm_job.json").write_text('{"job_id": "999999", "nnodes": 1, "nproc_per_node": 2}')
+    job = attach(run, progress="none")
+    assert job.state == "UNKNOWN" and job.node_status() == {0: "done"}
+    assert len(job.metrics.epochs) == 2
+    (run / "progress.json").unlink()  # no sign of an ending: Slurm's silence is an error
+    with pytest.raises(SlurmJobEnded, match="state UNKNOWN"):
+        attach(run, progress="none")
 
 
 # -- notebook 08 -----------------------------------------------------------------------------
