@@ -56,7 +56,8 @@ def _no_leftovers(hosts, within: float = 10.0) -> dict:
 
 def test_two_hosts_train_like_two_simulated_nodes(hosts, tiny_data, layout_run, tmp_path):
     cfg = tiny_config(tiny_data, threads=1)
-    job = _launch(hosts, cfg, tmp_path / "run", hosts.names)
+    # Spaces and quotes in paths reach the hosts' shells quoted, never as shell code.
+    job = _launch(hosts, cfg, tmp_path / "my run 'one'", hosts.names)
     simulated = layout_run("2x1").metrics
     got = job.metrics
     assert [r["epoch"] for r in got.epochs] == [1, 2]
@@ -69,6 +70,21 @@ def test_two_hosts_train_like_two_simulated_nodes(hosts, tiny_data, layout_run, 
     assert {recs[-1]["node_rank"] for recs in got.ranks.values()} == {0, 1}
     assert "ssh" in job.log_paths[1].read_text().splitlines()[0]  # the command, logged
     assert not _no_leftovers(hosts)
+
+
+def test_the_cli_trains_on_the_hosts(hosts, tiny_data, layout_run, tmp_path):
+    cfg = tiny_config(tiny_data, threads=1)
+    cfg.save(tmp_path / "cfg.json")
+    cmd = [sys.executable, "-m", "ddpnb", "train", "--config", str(tmp_path / "cfg.json"),
+           "--run-dir", str(tmp_path / "run"), "--hosts", ",".join(hosts.names),
+           "--ssh-config", str(hosts.ssh_config)]  # fmt: skip
+    out = subprocess.run(
+        cmd, env={**os.environ, **hosts.env}, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "hosts hosta, hostb" in out.stdout  # the start line names them
+    got = ddpnb.load_metrics(tmp_path / "run").final
+    assert got["val_acc"] == pytest.approx(layout_run("2x1").metrics.final["val_acc"], rel=1e-5)
 
 
 def test_no_shared_filesystem_copies_out_and_brings_back(hosts, tiny_data, tmp_path):
