@@ -329,9 +329,10 @@ class SlurmJob:
             self._asked = time.monotonic()
             if state == {}:  # purged (MinJobAge passed) and no accounting to ask
                 state = {"JobState": "UNKNOWN", "Reason": "Slurm no longer knows the job"}
-            self._state = self._state if state is None else state
-            if self.master_addr == FIRST_NODE and _known(state.get("NodeList", "")):
-                self.master_addr = (hostnames(state["NodeList"], self.env) or [FIRST_NODE])[0]
+            self._state = self._state if state is None else state  # None: ask again later
+            nodes = self._state.get("NodeList", "")
+            if self.master_addr == FIRST_NODE and _known(nodes):
+                self.master_addr = (hostnames(nodes, self.env) or [FIRST_NODE])[0]
         return self._state
 
     @property
@@ -393,7 +394,7 @@ class SlurmJob:
                     f"Slurm still reports job {self.job_id} as {self.state} {timeout:.0f} s "
                     f"after scancel; check `squeue -j {self.job_id}`."
                 )
-            time.sleep(0.5)
+            time.sleep(1.0)
         self.ended_at = self.ended_at or time.time()
 
     def wait(self, timeout: float | None = None) -> SlurmJob:
