@@ -216,9 +216,8 @@ def launch_on_hosts(
     try:
         for n, host in enumerate(parsed):
             node_env = _host_env(config, nproc_per_node, cpus[n], env)
-            procs[n] = _start_ssh_agent(
-                ssh, host, python, dirs[n], topology, n, node_env, lifeline_read, run_dir
-            )
+            cmd, shown = agent_command(ssh, host, python, dirs[n], topology, n, node_env)
+            procs[n] = _start_ssh_agent(cmd, shown, n, lifeline_read, run_dir)
     except BaseException as e:
         for proc in procs.values():
             os.killpg(proc.pid, 9)  # its host's agent sees its session end, and stops
@@ -439,18 +438,9 @@ def ssh_commands(
 
 
 def _start_ssh_agent(
-    ssh: Ssh,
-    host: Host,
-    python: str,
-    remote_dir: str,
-    topology: Topology,
-    node: int,
-    env: dict[str, str],
-    lifeline_read: int,
-    run_dir: Path,
+    cmd: list[str], shown: str, node: int, lifeline_read: int, run_dir: Path
 ) -> subprocess.Popen:
-    """``ssh host agent ...``: the host's torchrun, its output streamed to logs/node-N.log."""
-    cmd, shown = agent_command(ssh, host, python, remote_dir, topology, node, env)
+    """Run ``cmd`` (from :func:`agent_command`), its output streamed to logs/node-N.log."""
     with open(run_dir / "logs" / f"node-{node}.log", "ab") as log_file:
         log_file.write(f"$ {shown}\n".encode())
         log_file.flush()
