@@ -29,6 +29,8 @@ _LAZY = {
     "write_worker": "rundir",
     "check_hosts": "remote",
     "ssh_commands": "remote",
+    "submit_slurm": "slurm",
+    "attach": "slurm",
 }
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "Job",
     "TrainConfig",
     "WorkerFailed",
+    "attach",
     "check_hosts",
     "inspect_dataset",
     "launch",
@@ -47,6 +50,7 @@ __all__ = [
     "prepare_digits",
     "slurm_script",
     "ssh_commands",
+    "submit_slurm",
     "train_single",
     "write_worker",
 ]
@@ -73,3 +77,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never runs
     from .plot import plot_curves, plot_scaling, plot_throughput
     from .remote import check_hosts, ssh_commands
     from .rundir import write_worker
+    from .slurm import attach, submit_slurm

@@ -65,6 +65,16 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
             "out_dir": str(out),
             "progress": "text",
         },
+        # Prints the sbatch script and how to submit it (tests/test_slurm.py submits it to a
+        # throwaway Slurm); use_slurm=None would submit wherever a Slurm controller answers.
+        "08_slurm.ipynb": {
+            "data_dir": str(data_dir),
+            "run_dir": str(out / "slurm"),
+            "out_dir": str(out),
+            "progress": "text",
+            "use_slurm": False,
+            **small,
+        },
     }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from matplotlib.figure import Figure
 
@@ -16,34 +16,6 @@ def _metrics(run) -> RunMetrics:
     if isinstance(run, RunMetrics):
         return run
     return load_metrics(getattr(run, "run_dir", run))  # a Job, or a run directory
-
-
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def rank_table(runs: Mapping[str, object], keys: Sequence[str]) -> str:
-    """A text table, one row per run, epoch and rank, of the per-rank records' ``keys``.
-
-    ``runs`` maps a label to a :class:`~ddpnb.Job`, a run directory or RunMetrics.
-
-    Example
-    -------
-    >>> print(rank_table({"correct": "runs/ok", "no sampler": "runs/bad"}, ["train_samples"]))  # doctest: +SKIP
-    """
-    header = ["run", "epoch", "rank", *keys]
-    rows = [
-        [label, rec["epoch"], rank, *(rec.get(k, "") for k in keys)]
-        for label, run in runs.items()
-        for rank, records in _metrics(run).ranks.items()
-        for rec in records
-    ]
-    rows.sort(key=lambda r: (list(runs).index(r[0]), r[1], r[2]))
-    cells = [header] + [[_cell(v) for v in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
 
 
 def _per_epoch_rank_mean(run, key: str) -> list[float]:

@@ -35,6 +35,7 @@ class Job(Protocol):
 
 PLOT_INTERVAL = 1.0  # seconds between live-plot redraws at most
 STATUS_COLORS = {
+    "pending": "#6c71c4",  # queued by Slurm ("pending (Resources)")
     "starting": "#b58900",
     "running": "#268bd2",
     "done": "#2aa160",
@@ -229,7 +230,7 @@ class WidgetProgress:
 
     def _set_nodes(self) -> None:
         for n, state in self.job.node_status().items():
-            color = STATUS_COLORS.get(state, "#888")
+            color = STATUS_COLORS.get(state.split(" ")[0], "#888")
             ranks = range(n * self.job.nproc_per_node, (n + 1) * self.job.nproc_per_node)
             role = " (master, hosts the rendezvous)" if n == 0 else ""
             hosts = getattr(self.job, "hosts", None)  # real hosts (SSH): name each node's

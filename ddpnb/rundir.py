@@ -10,6 +10,7 @@ from pathlib import Path
 from .config import TrainConfig
 from .constants import RESUMABLE_KEYS
 from .errors import RunDirError
+from .source import WORKER_PATH
 
 WORKER_NAME = "train_ddp.py"
 # Everything a run writes; overwrite=True removes exactly these and nothing else.
@@ -23,11 +24,6 @@ PRODUCTS = (
     "checkpoints",
     "logs",
 )
-
-
-def worker_source() -> Path:
-    """The package's worker module: the file copied out as ``train_ddp.py``."""
-    return Path(__file__).with_name("worker.py")
 
 
 def write_worker(config: TrainConfig, run_dir: str | os.PathLike) -> Path:
@@ -44,7 +40,7 @@ def write_worker(config: TrainConfig, run_dir: str | os.PathLike) -> Path:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / WORKER_NAME
-    shutil.copyfile(worker_source(), target)
+    shutil.copyfile(WORKER_PATH, target)
     config.save(run_dir / "config.json")
     return target
 

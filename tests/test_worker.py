@@ -11,7 +11,7 @@ import torchvision
 from conftest import TRAIN_PER_CLASS, VAL_COUNTS, tiny_config
 
 import ddpnb
-from ddpnb.rundir import worker_source
+from ddpnb.source import WORKER_PATH
 from ddpnb.worker import replace_head
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def test_metrics_and_rank_files(layout_run, layout):
 
 def test_worker_file_is_a_byte_copy_and_stdlib_only(layout_run):
     job = layout_run("1x1")
-    assert (job.run_dir / "train_ddp.py").read_bytes() == worker_source().read_bytes()
+    assert (job.run_dir / "train_ddp.py").read_bytes() == WORKER_PATH.read_bytes()
     tree = ast.parse((job.run_dir / "train_ddp.py").read_text())
     imported = {
         (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
@@ -63,7 +63,7 @@ def test_worker_file_is_a_byte_copy_and_stdlib_only(layout_run):
         for alias in node.names
     }
     assert imported - sys.stdlib_module_names - {"__future__"} == {"torch", "torchvision"}
-    doc = worker_source().read_text()
+    doc = WORKER_PATH.read_text()
     assert "--nnodes 2 --node_rank 0" in doc and "--nnodes 2 --node_rank 1" in doc
 
 
