@@ -171,8 +171,14 @@ def who_am_i() -> Rank:
 def set_up_process(cfg: dict, me: Rank) -> tuple[torch.device, str]:
     """Pick this rank's device, then join the process group; returns (device, backend)."""
     if torch.cuda.is_available() and cfg["backend"] != "gloo":
-        device = torch.device("cuda", me.local_rank)  # one GPU per process on each node
-        torch.cuda.set_device(device)
+        device = cuda_device(me)  # Part 2: one GPU per process on each node, checked
+        torch.cuda.set_device(device)  # before init: nccl and the object collectives use it
+        torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks its kernels once
+    elif cfg["backend"] == "nccl":
+        raise RuntimeError(
+            f"backend='nccl' needs CUDA GPUs, and {socket.gethostname()} has none visible to "
+            "torch. Use backend='auto' (nccl on GPUs, gloo elsewhere) or 'gloo'."
+        )
     else:
         device = torch.device("cpu")
         set_thread_budget(cfg, me)  # Part 2: this process's share of the host's cores
@@ -180,7 +186,7 @@ def set_up_process(cfg: dict, me: Rank) -> tuple[torch.device, str]:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if me.distributed:
-        join_process_group(backend, cfg["timeout_seconds"], me)
+        join_process_group(backend, cfg["timeout_seconds"], me, device)
     me.log(
         f"node {me.node_rank} local_rank {me.local_rank} of world_size {me.world_size} on "
         f"{socket.gethostname()}, {device}, backend {backend if me.distributed else 'none'}, "
@@ -189,16 +195,23 @@ def set_up_process(cfg: dict, me: Rank) -> tuple[torch.device, str]:
     return device, backend
 
 
-def join_process_group(backend: str, timeout_seconds: int, me: Rank) -> None:
+def join_process_group(backend: str, timeout_seconds: int, me: Rank, device: torch.device) -> None:
     """Join the run's default process group (``dist.init_process_group``)."""
     # A collective that waits longer than this fails the run instead of hanging it.
     timeout = datetime.timedelta(seconds=timeout_seconds)
+    # nccl binds the group to this rank's GPU (barrier() need not guess it).
+    bound = {"device_id": device} if backend == "nccl" else {}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)  # MASTER_ADDR etc. from torchrun
+        dist.init_process_group(backend, timeout=timeout, **bound)  # MASTER_ADDR etc. from torchrun
         return
     store = attempt_store(me.restart_count, timeout)  # Part 2: clean keys for each attempt
     dist.init_process_group(
-        backend, store=store, rank=me.global_rank, world_size=me.world_size, timeout=timeout
+        backend,
+        store=store,
+        rank=me.global_rank,
+        world_size=me.world_size,
+        timeout=timeout,
+        **bound,
     )
 
 
@@ -382,7 +395,7 @@ def batch_sums(loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> tor
         [
             loss.double() * n,
             (logits.argmax(1) == y).sum().double(),
-            torch.tensor(float(n), dtype=torch.float64, device=y.device),
+            torch.full((), float(n), dtype=torch.float64, device=y.device),  # no host copy
         ]
     )
 
@@ -1032,6 +1045,11 @@ def memory_batches(cfg, me, train_set, val_set, train_sampler, val_indices, augm
     decode_start = time.perf_counter()
     train_images, train_labels = decode_all(train_set.samples, size)
     val_images, val_labels = decode_all([val_set.samples[i] for i in val_indices], size)
+    if device.type == "cuda":  # at most MEMORY_PIPELINE_BYTES: kept on the GPU, batches
+        # are sliced there (a host-side gather would copy from unpinned memory, in sync).
+        train_images, train_labels, val_images, val_labels = (
+            t.to(device) for t in (train_images, train_labels, val_images, val_labels)
+        )
     decode_seconds = time.perf_counter() - decode_start
 
     def train_batches(epoch: int):
@@ -1039,7 +1057,7 @@ def memory_batches(cfg, me, train_set, val_set, train_sampler, val_indices, augm
         # sees exactly what the uninterrupted one saw.
         seed = cfg["seed"] * 1_000_003 + me.global_rank * 1009 + epoch
         gen = torch.Generator().manual_seed(seed)
-        order = torch.tensor(list(train_sampler), dtype=torch.long)
+        order = torch.tensor(list(train_sampler), dtype=torch.long, device=train_images.device)
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             x = train_images[idx].to(device, non_blocking=True).float().div_(255)
@@ -1159,12 +1177,31 @@ def decode_all(samples: list[tuple[str, int]], size: int) -> tuple[torch.Tensor,
     return images, labels
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; to a GPU through pinned memory, so the copy does not wait."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def cuda_device(me: Rank) -> torch.device:
+    """This rank's GPU (``LOCAL_RANK``), or a clear error when the node has too few."""
+    visible = torch.cuda.device_count()
+    if me.local_rank >= visible:
+        raise RuntimeError(
+            f"local_rank {me.local_rank} needs GPU {me.local_rank}, but {socket.gethostname()} "
+            f"shows torch {visible} GPU(s) (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Use nproc_per_node <= {visible}."
+        )
+    return torch.device("cuda", me.local_rank)
+
+
 def augment_batch(x: torch.Tensor, augment: str, gen: torch.Generator) -> torch.Tensor:
     """Random per-sample affine crops on a float batch, as one grid_sample call."""
     n = x.shape[0]
     if augment == "none" or n == 0:
         return x
-    u = torch.rand((n, 4), generator=gen).to(x.device)
+    u = to_device(torch.rand((n, 4), generator=gen), x.device)  # drawn on the CPU: resumable
     if augment == "digits":  # mild: +-10 degrees, 0.9-1.1 scale, +-10% shift
         angle = (u[:, 0] * 2 - 1) * math.radians(10)
         scale = 1 / (0.9 + 0.2 * u[:, 1])
@@ -1178,7 +1215,7 @@ def augment_batch(x: torch.Tensor, augment: str, gen: torch.Generator) -> torch.
         sy = torch.sqrt(area / ratio).clamp(max=1.0)
         tx, ty = (u[:, 2] * 2 - 1) * (1 - sx), (u[:, 3] * 2 - 1) * (1 - sy)
         angle = torch.zeros(n, device=x.device)
-        flip = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).to(x.device)
+        flip = to_device(torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0), x.device)
     cos, sin = torch.cos(angle), torch.sin(angle)
     theta = torch.stack(
         [
@@ -1335,7 +1372,7 @@ def rng_state(use_cuda: bool) -> dict:
     return {
         "torch": torch.get_rng_state(),
         "python": list(random.getstate()[1]),
-        "cuda": torch.cuda.get_rng_state_all() if use_cuda else [],
+        "cuda": [torch.cuda.get_rng_state()] if use_cuda else [],  # this rank's GPU only
     }
 
 
@@ -1343,7 +1380,9 @@ def set_rng_state(state: dict, use_cuda: bool) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate((3, tuple(state["python"]), None))
     if use_cuda and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # This rank's GPU's state (checkpoints before that held every visible GPU's).
+        states = state["cuda"]
+        torch.cuda.set_rng_state(states[torch.cuda.current_device() if len(states) > 1 else 0])
 
 
 if __name__ == "__main__":
