@@ -34,6 +34,11 @@ from ddpnb.metrics import read_progress  # noqa: E402
 from ddpnb.preflight import free_port  # noqa: E402
 
 REFERENCE = HERE / "reference_ddp.py"
+GPU_HEADING = "## GPU check"  # bench/gpu_check.py --record appends sections under it
+GPU_UNMEASURED = (
+    f"{GPU_HEADING}\n\nNot yet measured: no GPU has been lent to this project yet. "
+    "`make gpu-check GPU_CHECK_ARGS=--record` on one appends its figures here.\n"
+)
 # The 2-core ceiling measured when the issue was written: one process, no DDP, both
 # cores, in-memory batches, resnet18 at 32 px, batch 64. This run measures its own.
 CEILING_REFERENCE_IPS = 590
@@ -288,16 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines += [f"- {k}: {v:.1%}" for k, v in efficiency.items()]
     lines += ["", "Levers, each measured alone (`bench/levers.py`):", "", *lever_table]
-    lines += [
-        "",
-        "GPU path (`bench/gpu.py`: resnet50 at 224 px, bf16 autocast, channels_last, synthetic "
-        "data): unmeasured; no GPU has been lent to this project yet. Run it on one and "
-        "record its line here.",
-    ]
     if suite:
         lines += ["", "Wall times after install:", ""]
         lines += [f"- `{k}`: {v:.0f} s" for k, v in suite.items()]
     text = "\n".join(lines) + "\n"
+    # The GPU figures come from `make gpu-check --record` on a lent GPU: keep them.
+    old = Path(args.out).read_text() if Path(args.out).exists() else ""
+    gpu = old.find(GPU_HEADING)
+    text += "\n" + (old[gpu:] if gpu >= 0 else GPU_UNMEASURED)
     print("\n" + text)
     Path(args.out).write_text(text)
     print(f"wrote {args.out}")

@@ -788,8 +788,12 @@ def set_thread_budget(cfg: dict, me: Rank) -> None:
 def threads_for_host(procs_on_host: int, cores: int | None = None) -> int:
     # Each process gets its share of the host's cores: N simulated nodes x P processes
     # with default threads each would oversubscribe the cores (8x slower measured).
-    # ``cores``: another host's count (the SSH launcher asks each host for its own).
-    return max(1, (cores or os.cpu_count() or 1) // max(1, procs_on_host))
+    # ``cores``: another host's count (the SSH launcher asks each host for its own). Here:
+    # the CPUs this process may use (a Slurm allocation, taskset), not all of the machine's.
+    if cores is None:
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    return max(1, cores // max(1, procs_on_host))
 
 
 def warn_about_pitfalls(cfg: dict, me: Rank) -> None:
