@@ -356,6 +356,7 @@ class SlurmJob:
         state = info.get("JobState", "")
         if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", ""):
             reason = info.get("Reason", "")
+            reason = "" if reason in ("None", "(null)") else reason  # Slurm's word for no reason
             return {n: f"pending ({reason})" if reason else "pending" for n in range(self.nnodes)}
         if state in ALIVE:
             started = _timestamp(info.get("StartTime", "")) or self.started_at

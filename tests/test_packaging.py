@@ -41,7 +41,8 @@ def test_console_script_and_module_entry_points():
 def test_public_api_is_small_and_declared():
     import ddpnb
 
-    assert len(ddpnb.__all__) <= 16
+    # Three ways to run (simulated nodes, SSH hosts, Slurm) and the few names around them.
+    assert len(ddpnb.__all__) <= 20
     assert all(hasattr(ddpnb, n) for n in ddpnb.__all__)
 
 

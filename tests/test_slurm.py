@@ -160,12 +160,15 @@ def test_submit_pending_running_requeued_done(slurm, tiny_data, tmp_path, layout
     _scontrol("update", f"JobId={job.job_id}", "StartTime=now")  # skip the requeue delay
     job.wait()
     panel.close(job)
-    assert [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]][:3] == [
-        "pending (JobHeldUser)",
+    # Released, a job may pend a moment longer (Slurm's reason then changes, or is None).
+    phases = [s.split(" ")[0] for s in seen]
+    assert seen[0] == "pending (JobHeldUser)"
+    assert [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]][:3] == [
+        "pending",
         "starting",
         "running",
     ]
-    assert seen[-1].startswith("pending (")  # after the requeue
+    assert seen[-1].startswith("pending")  # after the requeue
     assert job.node_status() == {0: "done", 1: "done"}
     assert all(">done<" in row.value for row in panel.node_rows)
 
