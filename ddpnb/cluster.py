@@ -197,13 +197,18 @@ head_node=${{head_addr:-$head_node}}
 # in the job), appended to after a requeue.
 export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
 export SLURM_STDOUTMODE={q(str(run_dir / "logs" / "node-%n.log"))}
-srun {launcher} \\
+# Each node names its own address (Slurm's NodeAddr) and the first node says it hosts the
+# store (torchrun reads PET_<OPTION> as that option): torchrun would otherwise go by the
+# host name, which on clusters with a separate training network resolves to the other one.
+srun bash -c 'addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")
+export PET_LOCAL_ADDR="${{addr:-$SLURMD_NODENAME}}"
+export PET_RDZV_CONF="join_timeout={topology.rdzv_timeout},is_host=$((SLURM_NODEID == 0))"
+exec "$@"' bash {launcher} \\
     --nnodes "$SLURM_NNODES" \\
     --nproc_per_node {topology.nproc_per_node} \\
     --rdzv_backend c10d \\
     --rdzv_endpoint "{topology.master_addr}:{port}" \\
     --rdzv_id "$SLURM_JOB_ID" \\
-    --rdzv_conf join_timeout={topology.rdzv_timeout} \\
     --max_restarts {topology.max_restarts} \\
     --log_dir {q(str(run_dir / "logs" / "torchrun"))} --tee 3 \\
     --log_line_prefix_template '[rank${{rank}}] ' \\

@@ -134,7 +134,7 @@ def test_03_multi_node(executed):
     assert worker_source("wrap_model", "train_one_epoch") in printed
     assert worker_source("validate") in printed
     text = (out / "03_multi_node_ddp.ipynb").read_text()
-    assert "srun torchrun" in text and "--node_rank=1" in text
+    assert "bash torchrun" in text and "--node_rank=1" in text
 
 
 @pytest.mark.slow

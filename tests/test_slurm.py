@@ -380,5 +380,5 @@ def test_notebook_08_without_slurm_prints_the_script(digits_data, tmp_path):
         kernel_manager_class=ipc_kernel_manager(),
     )
     text = out.read_text()
-    assert "#SBATCH --nodes=2" in text and "srun torchrun" in text and "sbatch " in text
+    assert "#SBATCH --nodes=2" in text and "bash torchrun" in text and "sbatch " in text
     assert json.loads((tmp_path / "08_summary.json").read_text())["slurm"] is False
