@@ -95,3 +95,16 @@ class NodeLost(RunFailed):
 
     ``node_rank`` names the node believed lost, or is ``None`` where it cannot be told.
     """
+
+
+class NetworkError(HostError):
+    """The hosts cannot reach node 0 or each other as a run needs (found before it starts).
+
+    The message names every failing host or pair of hosts and the fix (open this port, use
+    this address for ``master_addr``, set this interface); ``report`` holds the whole
+    :class:`ddpnb.network.NetworkReport` (``str(report)`` is its table).
+    """
+
+    def __init__(self, message: str, *, host: str | None = None, report=None) -> None:
+        self.report = report
+        super().__init__(message, host=host)

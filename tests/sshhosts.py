@@ -23,6 +23,7 @@ from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
 IFNAME = "ddpnb0"  # the interface name inside every host namespace (GLOO_SOCKET_IFNAME)
+TRAIN_IFNAME = "ddpnb1"  # with second_network=True: each host's interface on the second one
 
 
 @dataclasses.dataclass
@@ -37,6 +38,10 @@ class SshHosts:
     links: list[str]  # each host's bridge-side interface (down = the cable is pulled)
     sshd_pids: dict[str, int]  # alias -> pid of its sshd (its own listener only)
     env: dict[str, str]  # what the workers need on these hosts
+    # second_network=True: a second bridge, each host's TRAIN_IFNAME on it at train_addrs[n],
+    # and every host's default route on the first network (the wrong one for training).
+    train_addrs: list[str] = dataclasses.field(default_factory=list)
+    train_bridge: str | None = None
 
     def ns_pids(self, n: int) -> set[int]:
         """Every process in host n's network namespace."""
@@ -82,9 +87,29 @@ def _wait_listening(ns: str, addr: str, port: int, proc: subprocess.Popen) -> No
     raise RuntimeError(f"sshd did not listen on {addr}:{port}")
 
 
+def _second_network(ns: str, n: int, tag: int, bridge: str, addr: str, gateway: str) -> None:
+    """Host n's TRAIN_IFNAME on ``bridge`` at ``addr``; its default route via ``gateway``."""
+    if n == 0:
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("link", "set", bridge, "up")
+    link = f"dtr{tag}{chr(97 + n)}"
+    _ip("link", "add", link, "type", "veth", "peer", "name", f"{link}p")
+    _ip("link", "set", f"{link}p", "netns", ns)
+    _ip("-n", ns, "link", "set", f"{link}p", "name", TRAIN_IFNAME)
+    _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", TRAIN_IFNAME)
+    _ip("-n", ns, "link", "set", TRAIN_IFNAME, "up")
+    _ip("link", "set", link, "master", bridge)
+    _ip("link", "set", link, "up")
+    _ip("-n", ns, "route", "add", "default", "via", gateway, "dev", IFNAME)
+
+
 @contextlib.contextmanager
-def ssh_hosts(tmp: Path, tag: int, count: int = 2):
-    """Start ``count`` SSH hosts; yield an :class:`SshHosts`."""
+def ssh_hosts(tmp: Path, tag: int, count: int = 2, second_network: bool = False):
+    """Start ``count`` SSH hosts; yield an :class:`SshHosts`.
+
+    With ``second_network`` every host also sits on a second bridge (``TRAIN_IFNAME``,
+    10.205.x.0/24) and its default route points to the first one.
+    """
     for tool in ("ip", "ssh", "ssh-keygen", "nsenter", "unshare", SSHD):
         if shutil.which(tool) is None:
             raise RuntimeError(f"needs {tool} (apt-get install openssh-server iproute2)")
@@ -97,6 +122,8 @@ def ssh_hosts(tmp: Path, tag: int, count: int = 2):
     links = [f"dsh{tag}{chr(97 + n)}" for n in range(count)]
     addrs = [f"{subnet}.{n + 2}" for n in range(count)]
     private_root = Path(f"/tmp/ddpnb-private-{tag}")
+    train_bridge = f"dtb{tag}" if second_network else None
+    train_addrs = [f"10.205.{tag % 250}.{n + 2}" for n in range(count)] if second_network else []
     procs: dict[str, subprocess.Popen] = {}
     made_run_sshd = not os.path.isdir("/run/sshd")
     try:
@@ -125,6 +152,8 @@ def ssh_hosts(tmp: Path, tag: int, count: int = 2):
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("link", "set", link, "master", bridge)
             _ip("link", "set", link, "up")
+            if train_bridge:
+                _second_network(ns, n, tag, train_bridge, train_addrs[n], f"{subnet}.1")
             alias = f"host{chr(97 + n)}"
             for name, port, is_private in ((alias, 22, False), (f"{alias}-private", 2222, True)):
                 conf = tmp / f"sshd-{name}.conf"
@@ -181,6 +210,8 @@ def ssh_hosts(tmp: Path, tag: int, count: int = 2):
             links=links,
             sshd_pids={name: p.pid for name, p in procs.items()},
             env={"GLOO_SOCKET_IFNAME": IFNAME},
+            train_addrs=train_addrs,
+            train_bridge=train_bridge,
         )
     finally:
         for ns in namespaces:  # whatever a test left running in a host goes first
@@ -195,6 +226,8 @@ def ssh_hosts(tmp: Path, tag: int, count: int = 2):
         for ns in namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+        if train_bridge:
+            subprocess.run(["ip", "link", "del", train_bridge], capture_output=True)
         with contextlib.suppress(OSError):
             private_root.rmdir()
         if made_run_sshd:

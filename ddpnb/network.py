@@ -1,0 +1,280 @@
+"""The network between the hosts of a run, checked over SSH before anything starts.
+
+On every host at once, in about 20 s whatever hangs: ``master_addr`` resolves to an
+address the host routes to (loopback only when every node is on one host); node 0
+listens on ``master_addr:master_port`` and every host connects to it; each host finds
+the interface that carries its traffic to node 0 (``ip -4 route get``), which becomes its
+``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` with nccl) unless the user set one;
+every host connects to every other host's ephemeral listener on that interface (the
+ports gloo and NCCL connect back on); torch, CUDA and NCCL versions are compared.
+
+The hosts need Python only: the host side is :mod:`ddpnb.meshcheck`, sent as
+``python -c`` (the same file is the Slurm job's first step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from . import meshcheck
+from .errors import ConfigError, NetworkError
+from .ssh import Host, Ssh, _explain, remote_line
+
+CHECK_TIMEOUT = 20.0  # seconds the whole check may take, whatever hangs
+AGENT_SOURCE = Path(meshcheck.__file__).read_text()
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRow:
+    """One host of the check: what it resolved, chose and reached."""
+
+    node: int
+    host: str  # as the user wrote it
+    address: str | None  # where its peers reach it (its address on ``interface``)
+    interface: str | None  # the interface its traffic to node 0 takes
+    why: str  # why that interface
+    master: str | None  # master_addr as this host resolves it
+    reaches_node0: str  # 'ok', 'refused', 'timed out', 'no route', or '-' (not checked)
+    mesh: str  # 'ok', or the peers it could not connect to
+    versions: str  # 'torch 2.x, CUDA 12.x, NCCL 2.x'
+    env: dict[str, str]  # the interface variables its agent gets
+
+
+@dataclasses.dataclass
+class NetworkReport:
+    """What :func:`check_network` found: ``rows`` (one per host), ``problems``, a table."""
+
+    rows: list[HostRow]
+    problems: list[tuple[str, str]]  # (host, what is wrong and the fix)
+    master_addr: str
+    master_port: int
+    backend: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def env(self, node: int) -> dict[str, str]:
+        """The interface variables to add to node ``node``'s agent (none the user set)."""
+        return dict(self.rows[node].env)
+
+    def table(self) -> str:
+        head = ("node", "host", "address", "interface", "reaches node 0", "mesh", "versions")
+        cells = [head] + [
+            (str(r.node), r.host, r.address or "?", r.interface or "?", r.reaches_node0, r.mesh,
+             r.versions)
+            for r in self.rows
+        ]  # fmt: skip
+        widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(f"node 0 at {self.master_addr}:{self.master_port}; checked in "
+                     f"{self.seconds:.1f} s. Interfaces:")  # fmt: skip
+        for r in self.rows:
+            chosen = " ".join(f"{k}={v}" for k, v in r.env.items()) or "nothing set"
+            lines.append(f"  {r.host}: {r.interface or '?'}, {r.why} ({chosen})")
+        if self.problems:
+            lines.append("Problems:")
+            lines += [f"  - {host} {text}" for host, text in self.problems]
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+class _Agent:
+    """meshcheck's agent on one host, over one ssh session: send lines, read lines."""
+
+    def __init__(self, ssh: Ssh, host: Host, python: str, args: dict) -> None:
+        self.host, self.python = host, python
+        line = remote_line([python, "-c", AGENT_SOURCE, "--agent", json.dumps(args)])
+        self.lines: queue.Queue = queue.Queue()
+        self.stderr: list[str] = []
+        self.proc = subprocess.Popen(
+            ssh.command(host, line),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # ours to end, by its process group
+            env=dict(os.environ),
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def expect(self, tag: str, deadline: float) -> dict | str:
+        """The JSON after ``tag``, or why it did not come."""
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                code = self.proc.wait()
+                return _explain(code, "".join(self.stderr), self.python)
+            if line.startswith(tag + " "):
+                return json.loads(line.split(" ", 1)[1])
+        return "did not answer the network check in time (ssh or python hung)"
+
+    def send(self, obj: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it has ended: expect() says why
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # the agent reads end-of-file and exits
+            self.proc.wait(timeout=2)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+
+def check_network(
+    ssh: Ssh,
+    hosts: list[Host],
+    python: str,
+    *,
+    master_addr: str,
+    master_port: int,
+    backend: str = "gloo",
+    user_env: Mapping[str, str] = {},  # noqa: B006 (read only)
+    timeout: float = CHECK_TIMEOUT,
+) -> NetworkReport:
+    """Check that every host reaches node 0 and every other host; choose each interface.
+
+    Parameters
+    ----------
+    ssh, hosts, python:
+        How to reach the hosts (node 0 first) and the interpreter to run there.
+    master_addr, master_port:
+        The rendezvous endpoint the run will use (node 0's address, a free port there).
+    backend:
+        ``'gloo'`` or ``'nccl'`` (then ``NCCL_SOCKET_IFNAME`` is chosen too).
+    user_env:
+        What the user passes to the hosts: an interface variable set there is kept.
+    timeout:
+        Seconds the whole check may take.
+
+    Returns the :class:`NetworkReport`; raises :class:`~ddpnb.errors.NetworkError` naming
+    every failing host or pair and the fix (its ``report`` holds the table).
+
+    Example
+    -------
+    >>> report = check_network(Ssh(), parse_hosts(["gpu1", "gpu2"]), "python3",
+    ...                        master_addr="gpu1", master_port=29500)  # doctest: +SKIP
+    >>> report.env(1)  # doctest: +SKIP
+    {'GLOO_SOCKET_IFNAME': 'ib0'}
+    """
+    if not hosts:
+        raise ConfigError("check_network needs at least one host (node 0 first).")
+    if not isinstance(master_port, int) or not 0 < master_port < 65536:
+        raise ConfigError(f"master_port must be a port number 1..65535, got {master_port!r}.")
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"backend must be 'gloo' or 'nccl', got {backend!r}.")
+    start = time.monotonic()
+    nodes = _run_agents(ssh, hosts, python, master_addr, master_port, user_env, timeout)
+    problems = meshcheck.diagnose(nodes, master_addr, master_port)
+    rows = [_row(n, node, backend, user_env) for n, node in enumerate(nodes)]
+    report = NetworkReport(
+        rows, problems, master_addr, master_port, backend, time.monotonic() - start
+    )
+    if problems:
+        raise NetworkError(
+            meshcheck.explain(problems, "The network check failed; nothing was started")
+            + "\n\n"
+            + report.table(),
+            host=problems[0][0],
+            report=report,
+        )
+    return report
+
+
+def _run_agents(
+    ssh: Ssh,
+    hosts: Sequence[Host],
+    python: str,
+    master_addr: str,
+    master_port: int,
+    user_env: Mapping[str, str],
+    timeout: float,
+) -> list[dict]:
+    """Start one agent per host, trade their listeners, collect what each saw."""
+    deadline = time.monotonic() + timeout
+    connect_timeout = min(meshcheck.CONNECT_TIMEOUT, timeout / 4)
+    base = {
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "ifname": user_env.get("GLOO_SOCKET_IFNAME") or None,
+        "connect_timeout": connect_timeout,
+        "timeout": timeout + 5,  # the agent's own end, should this side vanish
+    }
+    agents: list[_Agent] = []
+    try:
+        for n, host in enumerate(hosts):
+            agents.append(_Agent(ssh, host, python, {**base, "node0": n == 0}))
+        first_by = deadline - connect_timeout - 2
+        nodes = [{"name": h.spec} for h in hosts]
+        for node, agent in zip(nodes, agents):
+            got = agent.expect("DDPNB-NET1", first_by)
+            node.update(got if isinstance(got, dict) else {"error": got})
+        listening = {
+            str(n): (node["facts"]["address"], node["mesh_port"])
+            for n, node in enumerate(nodes)
+            if node.get("mesh_port")
+        }
+        for n, (node, agent) in enumerate(zip(nodes, agents)):
+            if not node.get("error"):
+                targets = {k: v for k, v in listening.items() if k != str(n)}
+                agent.send({"targets": targets, "left": deadline - time.monotonic()})
+        for node, agent in zip(nodes, agents):
+            if not node.get("error"):
+                got = agent.expect("DDPNB-NET2", deadline)
+                node.update(got if isinstance(got, dict) else {"error": got})
+        return nodes
+    finally:
+        for agent in agents:
+            agent.close()
+
+
+def _row(n: int, node: dict, backend: str, user_env: Mapping[str, str]) -> HostRow:
+    facts = node.get("facts") or {}
+    iface = facts.get("iface")
+    names = meshcheck.IFNAME_VARS if backend == "nccl" else meshcheck.IFNAME_VARS[:1]
+    env = {v: iface for v in names if iface and v not in user_env}
+    connects = node.get("connects") or {}
+    failed = [k for k, seen in connects.items() if k != "master" and seen != "ok"]
+    if node.get("error"):
+        mesh, why = "-", node["error"]
+    else:
+        mesh = "ok" if not failed else "cannot reach node " + ", ".join(sorted(failed))
+        why = facts.get("why", "")
+    return HostRow(
+        node=n,
+        host=node["name"],
+        address=facts.get("address"),
+        interface=iface,
+        why=why,
+        master=facts.get("master"),
+        reaches_node0=connects.get("master", "-"),
+        mesh=mesh,
+        versions=meshcheck.show_versions(node.get("versions")),
+        env=env,
+    )

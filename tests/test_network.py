@@ -1,0 +1,182 @@
+"""The network check before a run: real sshd hosts in network namespaces, real nftables.
+
+Three hosts (tests/sshhosts.py) on two networks: SSH and every default route on the first
+(``ddpnb0``), a second one (``ddpnb1``) for training. Firewall rules are nftables tables
+inside one host's namespace, removed after each test. No test passes the fixture's
+``GLOO_SOCKET_IFNAME``: the interfaces are the check's own choice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sshhosts import IFNAME, TRAIN_IFNAME, ssh_hosts
+
+from ddpnb.errors import NetworkError
+from ddpnb.network import check_network
+from ddpnb.ssh import Ssh, parse_hosts, remote_line
+
+pytestmark = [pytest.mark.slow, pytest.mark.netns]
+
+MESHCHECK = Path(__file__).parents[1] / "ddpnb" / "meshcheck.py"
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    tag = (os.getpid() + 500) % 1000  # not test_ssh.py's tag
+    with ssh_hosts(tmp_path_factory.mktemp("net"), tag, count=3, second_network=True) as h:
+        yield h
+        assert not h.leftovers(), h.leftovers()  # every agent of every check has ended
+
+
+@pytest.fixture()
+def nft(hosts):
+    """nft(n, rules): load an nftables table into host n's namespace for this test."""
+    if shutil.which("nft") is None:
+        pytest.fail("this test needs nftables' nft (apt-get install nftables; .ci/run does)")
+    loaded = []
+
+    def load(n: int, rules: str) -> None:
+        ns = hosts.namespaces[n]
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, text=True,
+                       check=True, capture_output=True)  # fmt: skip
+        loaded.append(ns)
+
+    yield load
+    for ns in loaded:
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "ddpnbtest"])
+
+
+def _check(hosts, n: int, master_addr: str, port: int, **kwargs):
+    ssh = Ssh(str(hosts.ssh_config))
+    return check_network(
+        ssh, parse_hosts(hosts.names[:n]), sys.executable, master_addr=master_addr,
+        master_port=port, **kwargs,
+    )  # fmt: skip
+
+
+def _no_leftovers(hosts, within: float = 5.0) -> dict:
+    deadline = time.time() + within
+    while hosts.leftovers() and time.time() < deadline:
+        time.sleep(0.1)
+    return hosts.leftovers()
+
+
+def _meshcheck(hosts, tmp_path, n: int, master_addr: str, port: int, envs: list[dict]):
+    """Run meshcheck.py as the Slurm step would, one per host (here over SSH): codes, stderrs."""
+    script = tmp_path / "meshcheck.py"  # the hosts share this filesystem (port 22 servers)
+    shutil.copyfile(MESHCHECK, script)
+    ssh = Ssh(str(hosts.ssh_config))
+    procs = []
+    for rank, host in enumerate(parse_hosts(hosts.names[:n])):
+        argv = [sys.executable, str(script), "--nnodes", str(n), "--node-rank", str(rank),
+                "--master-addr", master_addr, "--master-port", str(port), "--timeout", "20",
+                "--env-file", str(tmp_path / "net-{node_rank}.env")]  # fmt: skip
+        procs.append(subprocess.Popen(
+            ssh.command(host, remote_line(argv, env={"OMP_NUM_THREADS": "1", **envs[rank]})),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))  # fmt: skip
+    outs = [p.communicate(timeout=60) for p in procs]
+    return [p.returncode for p in procs], [out + err for out, err in outs]
+
+
+def test_two_hosts_pass_and_each_gets_the_interface_toward_node_0(hosts, tmp_path):
+    started = time.monotonic()
+    report = _check(hosts, 2, hosts.addrs[0], 29631)  # no GLOO_SOCKET_IFNAME given
+    took = time.monotonic() - started
+    assert report.ok and took < 20, (took, str(report))
+    assert [r.interface for r in report.rows] == [IFNAME, IFNAME]
+    assert [r.address for r in report.rows] == hosts.addrs[:2]
+    assert [report.env(n) for n in (0, 1)] == [{"GLOO_SOCKET_IFNAME": IFNAME}] * 2
+    assert [(r.reaches_node0, r.mesh) for r in report.rows] == [("ok", "ok")] * 2
+    import torch
+
+    assert report.rows[0].versions == report.rows[1].versions
+    assert f"torch {torch.__version__}" in report.rows[1].versions
+    assert "holds master_addr" in report.rows[0].why and "route get" in report.rows[1].why
+    if socket.gethostbyname(socket.gethostname()).startswith("127."):  # as on this project's CI
+        assert "which gloo would advertise" in report.rows[1].why
+    table = str(report)
+    for word in ("reaches node 0", "mesh", "hosta", "hostb", f"GLOO_SOCKET_IFNAME={IFNAME}"):
+        assert word in table, table
+    print(f"clean check of 2 hosts: {took:.1f} s\n{table}")
+    # What the user set stays theirs; with nccl, NCCL's variable is chosen too.
+    nccl = _check(hosts, 2, hosts.addrs[0], 29631, backend="nccl",
+                  user_env={"GLOO_SOCKET_IFNAME": IFNAME})  # fmt: skip
+    assert [nccl.env(n) for n in (0, 1)] == [{"NCCL_SOCKET_IFNAME": IFNAME}] * 2
+    # The chosen interfaces carry a real gloo all-reduce (meshcheck, as the Slurm step runs
+    # it, given exactly report.env(n)).
+    envs = [report.env(n) for n in (0, 1)]
+    codes, outs = _meshcheck(hosts, tmp_path, 2, hosts.addrs[0], 29632, envs)
+    assert codes == [0, 0], outs
+    assert all("gloo all-reduce ok" in out for out in outs), outs
+    assert (tmp_path / "net-1.env").read_text() == ""  # the interface was set: nothing to add
+    assert not _no_leftovers(hosts)
+
+
+def test_two_networks_each_host_picks_the_one_master_addr_is_on(hosts, tmp_path):
+    # The default route (and SSH) go over ddpnb0; node 0's training address is on ddpnb1.
+    route = subprocess.run(["ip", "-n", hosts.namespaces[1], "-4", "route", "get", "192.0.2.77"],
+                           capture_output=True, text=True).stdout  # fmt: skip
+    assert f"dev {IFNAME}" in route
+    report = _check(hosts, 3, hosts.train_addrs[0], 29633)
+    assert [r.interface for r in report.rows] == [TRAIN_IFNAME] * 3, str(report)
+    assert [r.address for r in report.rows] == hosts.train_addrs
+    assert [report.env(n) for n in range(3)] == [{"GLOO_SOCKET_IFNAME": TRAIN_IFNAME}] * 3
+    assert f"dev {TRAIN_IFNAME} src {hosts.train_addrs[2]}" in report.rows[2].why
+    # The Slurm step chooses the same, and writes it for the torchrun step to source.
+    codes, outs = _meshcheck(hosts, tmp_path, 3, hosts.train_addrs[0], 29634, [{}] * 3)
+    assert codes == [0, 0, 0], outs
+    assert (tmp_path / "net-2.env").read_text() == f"export GLOO_SOCKET_IFNAME={TRAIN_IFNAME}\n"
+
+
+def test_a_firewall_dropping_the_rendezvous_port_is_named(hosts, nft):
+    port = 29635
+    nft(1, f"table inet ddpnbtest {{\n chain out {{\n type filter hook output priority 0\n"
+           f"tcp dport {port} drop\n }}\n}}\n")  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(NetworkError) as e:
+        _check(hosts, 3, hosts.addrs[0], port)
+    took = time.monotonic() - started
+    message = str(e.value)
+    assert took < 30, took
+    assert e.value.host == "hostb"
+    assert f"hostb cannot reach node 0 (hosta) at {hosts.addrs[0]}:{port}" in message, message
+    assert "timed out (a firewall drops it)" in message
+    assert f"open TCP port {port} on node 0 (hosta) to hostb" in message
+    assert "hostc cannot" not in message  # the other host is fine
+    rows = e.value.report.rows
+    assert [r.reaches_node0 for r in rows] == ["ok", "timed out", "ok"]
+    assert [r.mesh for r in rows] == ["ok"] * 3  # ephemeral ports are still open
+    print(f"rendezvous port dropped: named in {took:.1f} s")
+    assert not _no_leftovers(hosts)
+
+
+def test_ephemeral_ports_dropped_between_two_hosts_name_the_pair(hosts, nft, tmp_path):
+    port = 29636
+    # hostc drops new connections from hostb to every port but the rendezvous port.
+    nft(2, f"table inet ddpnbtest {{\n chain in {{\n type filter hook input priority 0\n"
+           f"ip saddr {hosts.addrs[1]} ct state new tcp dport != {port} drop\n }}\n}}\n")  # fmt: skip
+    with pytest.raises(NetworkError) as e:
+        _check(hosts, 3, hosts.addrs[0], port)
+    message = str(e.value)
+    assert f"hostb cannot connect to hostc at {hosts.addrs[2]}:" in message, message
+    assert "(an ephemeral port, as gloo and NCCL use): timed out" in message
+    assert "open TCP ports 32768-60999" in message or "ip_local_port_range" in message
+    assert "on hostc to hostb" in message
+    assert "cannot reach node 0" not in message and "hosta cannot" not in message
+    rows = e.value.report.rows
+    assert [r.reaches_node0 for r in rows] == ["ok"] * 3
+    assert [r.mesh for r in rows] == ["ok", "cannot reach node 2", "ok"]
+    # The Slurm step fails the same way, node 0 naming the pair.
+    codes, outs = _meshcheck(hosts, tmp_path, 3, hosts.addrs[0], port, [{}] * 3)
+    assert codes == [1, 1, 1], outs
+    assert "cannot connect to" in outs[0] and "ephemeral port" in outs[0], outs[0]
+    assert not _no_leftovers(hosts)
