@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("dir")
 
     _train_parser(sub)
+    _run_parser(sub)
 
     plot = sub.add_parser("plot", help="plot loss/accuracy curves of run directories")
     plot.add_argument("run_dirs", nargs="+")
@@ -93,34 +94,174 @@ def _train_parser(sub) -> argparse.ArgumentParser:
         help="start from a saved config.json (e.g. RUN_DIR/config.json); options override it",
     )
     launch.add_argument("--run-dir", required=True)
-    launch.add_argument("--nnodes", type=int, help="simulated nodes on this machine (default 1)")
-    launch.add_argument("--nproc-per-node", type=int, default=1)
-    launch.add_argument(
-        "--master-addr", help="default: 127.0.0.1, or with --hosts the first host's address"
-    )
-    launch.add_argument("--master-port", type=int)
-    launch.add_argument("--max-restarts", type=int, default=0)
-    launch.add_argument("--resume", action="store_true")
-    launch.add_argument("--overwrite", action="store_true")
-    hosts = train.add_argument_group("real hosts over SSH (one node per host)")
-    hosts.add_argument(
-        "--hosts",
-        metavar="A,B[,C]",
-        type=lambda text: [h for h in text.split(",") if h],
-        help="e.g. gpu1,alice@gpu2,10.0.0.3:2222; the first is node 0",
-    )
-    hosts.add_argument("--ssh-config", metavar="FILE", help="an OpenSSH client config (ssh -F)")
-    hosts.add_argument(
-        "--ssh-option",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="one extra ssh argument, verbatim (repeat: --ssh-option=-o --ssh-option=Port=2222)",
-    )
-    hosts.add_argument("--python", help="the hosts' interpreter (default: this one's path)")
-    hosts.add_argument("--remote-run-dir", help="the run directory on hosts without a shared one")
+    launch_options(train)
     _config_options(train.add_argument_group("training (TrainConfig fields)"))
     return train
+
+
+# -- launch() and submit_slurm() keywords as options: declared once, in their signatures ----
+
+# The options' help; kind and default come from the function's signature.
+LAUNCH_HELP = {
+    "nnodes": "nodes: simulated on this machine (default 2; `train`: 1), or one per --hosts",
+    "nproc_per_node": "processes (workers) per node",
+    "master_addr": "node 0's address (default 127.0.0.1, or with --hosts the first host's)",
+    "master_port": "node 0's rendezvous port (default: a free one)",
+    "max_restarts": "torchrun restarts of a failed node's workers",
+    "rdzv_timeout": "seconds the nodes have to join",
+    "resume": "continue the run in --run-dir from its checkpoint",
+    "overwrite": "replace the run in --run-dir",
+    "env": "KEY=VALUE added to every node's environment (repeat)",
+}
+HOSTS_HELP = {
+    "hosts": "A,B[,C]: real hosts over SSH, one node each, the first is node 0",
+    "ssh_config": "an OpenSSH client config (ssh -F)",
+    "ssh_options": "one extra ssh argument, verbatim (repeat: --ssh-option=-o --ssh-option=Port=2222)",
+    "python": "the hosts' interpreter (default: this one's path)",
+    "remote_run_dir": "the run directory on hosts that do not share this one",
+}
+SLURM_HELP = {
+    "partition": "the partition (default: the cluster's default)",
+    "time": "the time limit (sbatch --time)",
+    "account": "the account to charge",
+    "gpus_per_node": "GPUs per node (sbatch --gpus-per-node)",
+    "sbatch_args": "one extra sbatch argument, verbatim (repeat: --sbatch-arg=--requeue)",
+}
+# Options whose flag is not simply --name-with-dashes (repeatable ones are singular).
+FLAGS = {"ssh_options": "--ssh-option", "sbatch_args": "--sbatch-arg", "time": "--time"}
+
+
+def _option(group, fn, name: str, help_: str) -> None:
+    """One option for keyword ``name`` of ``fn``: its kind and default read from the signature."""
+    import inspect
+
+    param = inspect.signature(fn).parameters[name]
+    flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+    default = param.default
+    kw: dict[str, Any] = {"dest": name, "help": help_}
+    annotation = str(param.annotation)
+    if isinstance(default, bool):
+        kw["action"] = "store_true"
+    elif name in ("ssh_options", "sbatch_args", "env"):
+        kw.update(action="append", default=[], metavar="ARG")
+    elif name == "hosts":
+        kw.update(type=lambda text: [h for h in text.split(",") if h], metavar="A,B")
+    elif annotation.startswith("int"):
+        kw.update(type=int, default=default, metavar="N")
+    else:
+        kw.update(default=default, metavar=name.upper().split("_")[-1])
+    if default not in (None, False, (), inspect.Parameter.empty) and "default" not in help_:
+        kw["help"] = f"{help_} (default: {default})"
+    group.add_argument(flag, **kw)
+
+
+def launch_options(parser: argparse.ArgumentParser) -> None:
+    """launch()'s keywords as options: the launch, and real hosts over SSH."""
+    from .launch import launch
+
+    group = parser.add_argument_group("launch (torchrun's names)")
+    for name, help_ in LAUNCH_HELP.items():
+        _option(group, launch, name, help_)
+    group = parser.add_argument_group("real hosts over SSH (one node per host)")
+    for name, help_ in HOSTS_HELP.items():
+        _option(group, launch, name, help_)
+
+
+def _launch_kwargs(args: argparse.Namespace, default_nnodes: int | None = None) -> dict:
+    """The keywords of launch() from a command line made by launch_options()."""
+    kwargs = {name: getattr(args, name) for name in (*LAUNCH_HELP, *HOSTS_HELP)}
+    env = {}
+    for item in kwargs["env"]:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--env takes KEY=VALUE, got {item!r}.")
+        env[key] = value
+    kwargs["env"] = env
+    if kwargs["nnodes"] is None and not kwargs["hosts"]:
+        kwargs["nnodes"] = default_nnodes
+    return kwargs
+
+
+def _run_parser(sub) -> argparse.ArgumentParser:
+    from .slurm import submit_slurm
+
+    run = sub.add_parser(
+        "run",
+        help="run your own torchrun script with DDP (simulated nodes, --hosts, or --slurm)",
+        usage="ddpnb run [OPTIONS] SCRIPT [SCRIPT_ARGS...]",
+        description="Run any torchrun script, torchrun's way: options first, then the script; "
+        "everything after the script goes to it unchanged. Simulated nodes on this machine "
+        "by default, real hosts with --hosts, a Slurm batch job with --slurm. The run "
+        "directory is the script's working directory on every node.",
+    )
+    run.add_argument("--run-dir", help="default: runs/<script name without .py>")
+    run.add_argument(
+        "--file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file the script needs beside it (a module it imports, a config); repeat",
+    )
+    launch_options(run)
+    slurm = run.add_argument_group("Slurm (with --slurm: one batch job, sbatch)")
+    slurm.add_argument(
+        "--slurm", action="store_true", help="submit as a Slurm batch job and follow it"
+    )
+    for name, help_ in SLURM_HELP.items():
+        _option(slurm, submit_slurm, name, help_)
+    slurm.add_argument("--detach", action="store_true", help="with --slurm: return once submitted")
+    run.add_argument("script", metavar="SCRIPT", help="the torchrun script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS")
+    return run
+
+
+def _run_script(args: argparse.Namespace) -> int:
+    from .script import Script
+
+    script = Script(args.script, args.script_args, args.file)
+    run_dir = args.run_dir or str(Path("runs") / Path(args.script).stem)
+    kwargs = _launch_kwargs(args)
+    with _StopSignals():  # SIGTERM/SIGHUP stop every process of the run, as Ctrl-C does
+        if args.slurm:
+            job = _submit_script(script, run_dir, args, kwargs)
+        else:
+            from .launch import launch
+
+            job = launch(script, run_dir, progress="text", **kwargs)
+    if args.slurm and args.detach:
+        print(
+            f"submitted Slurm job {job.job_id}; follow it with: ddpnb attach {job.run_dir}; "
+            f"cancel it with: scancel {job.job_id}"
+        )
+    else:
+        print(f"run directory: {job.run_dir}")
+    return 0
+
+
+def _submit_script(script, run_dir: str, args: argparse.Namespace, kwargs: dict):
+    from .slurm import submit_slurm
+
+    local_only = ("hosts", "ssh_config", "remote_run_dir", "master_addr", "master_port")
+    given = [n for n in local_only if kwargs[n]] + (["ssh_option"] if kwargs["ssh_options"] else [])
+    if given:
+        raise ConfigError(
+            f"--{given[0].replace('_', '-')} does not apply with --slurm: Slurm picks the nodes "
+            "and the first one hosts the rendezvous."
+        )
+    return submit_slurm(
+        script,
+        run_dir,
+        nnodes=kwargs["nnodes"] or 2,
+        nproc_per_node=kwargs["nproc_per_node"],
+        max_restarts=kwargs["max_restarts"],
+        resume=kwargs["resume"],
+        overwrite=kwargs["overwrite"],
+        env=kwargs["env"],
+        python=kwargs["python"],
+        wait=not args.detach,
+        progress="text",
+        **{name: getattr(args, name) for name in SLURM_HELP},
+    )
 
 
 def _submit_parser(sub) -> argparse.ArgumentParser:
@@ -131,26 +272,21 @@ def _submit_parser(sub) -> argparse.ArgumentParser:
         "rendezvous on the first node. RUN_DIR must be on a filesystem every node shares. "
         "Ctrl-C cancels the job (scancel); --detach leaves it running (ddpnb attach RUN_DIR).",
     )
+    from .slurm import submit_slurm
+
     job = submit.add_argument_group("Slurm job")
     job.add_argument("--config", metavar="FILE", help="start from a saved config.json")
     job.add_argument("--run-dir", required=True, help="on a filesystem every node shares")
     job.add_argument("--nnodes", type=int, required=True)
-    job.add_argument("--nproc-per-node", type=int, default=1, help="usually one per GPU")
-    job.add_argument("--gpus-per-node", type=int)
-    job.add_argument("--partition", help="default: the cluster's default partition")
-    job.add_argument("--time", default="01:00:00", help="the time limit (sbatch --time)")
-    job.add_argument("--account")
-    job.add_argument(
-        "--sbatch-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="one extra sbatch argument, verbatim (repeat: --sbatch-arg=--requeue)",
-    )
-    job.add_argument("--python", help="the nodes' interpreter (default: this one's path)")
-    job.add_argument("--max-restarts", type=int, default=0)
-    job.add_argument("--resume", action="store_true")
-    job.add_argument("--overwrite", action="store_true")
+    for name, help_ in {
+        "nproc_per_node": "processes per node, usually one per GPU",
+        **SLURM_HELP,
+        "python": "the nodes' interpreter (default: this one's path)",
+        "max_restarts": LAUNCH_HELP["max_restarts"],
+        "resume": LAUNCH_HELP["resume"],
+        "overwrite": LAUNCH_HELP["overwrite"],
+    }.items():
+        _option(job, submit_slurm, name, help_)
     job.add_argument("--detach", action="store_true", help="return once submitted")
     _config_options(submit.add_argument_group("training (TrainConfig fields)"))
     return submit
@@ -170,7 +306,7 @@ def _submit(args: argparse.Namespace) -> int:
             partition=args.partition,
             time=args.time,
             account=args.account,
-            sbatch_args=args.sbatch_arg,
+            sbatch_args=args.sbatch_args,
             python=args.python,
             max_restarts=args.max_restarts,
             resume=args.resume,
@@ -370,23 +506,7 @@ def _train(args: argparse.Namespace) -> int:
     config = train_config(args)
     # launch() stops every process it started on KeyboardInterrupt (StoppedBySignal is one).
     with _StopSignals():
-        job = launch(
-            config,
-            args.run_dir,
-            nnodes=args.nnodes if args.nnodes is not None or args.hosts else 1,
-            nproc_per_node=args.nproc_per_node,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
-            max_restarts=args.max_restarts,
-            resume=args.resume,
-            overwrite=args.overwrite,
-            progress="text",
-            hosts=args.hosts,
-            ssh_config=args.ssh_config,
-            ssh_options=args.ssh_option,
-            python=args.python,
-            remote_run_dir=args.remote_run_dir,
-        )
+        job = launch(config, args.run_dir, progress="text", **_launch_kwargs(args, 1))
     print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
     return 0
 
@@ -435,6 +555,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if inspect_dataset(args.dir).ok else 1
     if args.command == "train":
         return _train(args)
+    if args.command == "run":
+        return _run_script(args)
     if args.command == "submit":
         return _submit(args)
     if args.command == "attach":

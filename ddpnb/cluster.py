@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import re
 import shlex
 import warnings
 from collections.abc import Mapping, Sequence
@@ -14,7 +15,8 @@ from typing import Any
 from .config import TrainConfig
 from .errors import ConfigError
 from .preflight import as_config
-from .rundir import WORKER_NAME
+from .reporting import RUN_DIR_ENV
+from .script import Script, worker_script
 from .topology import Topology
 
 FINGERPRINT_NOTE = (
@@ -33,7 +35,7 @@ def _is_public(host: str) -> bool:
 
 
 def node_commands(
-    config: TrainConfig | Mapping[str, Any],
+    what: Script | TrainConfig | Mapping[str, Any],
     run_dir: str | os.PathLike,
     hosts: Sequence[str],
     nproc_per_node: int = 1,
@@ -45,13 +47,13 @@ def node_commands(
 ) -> list[str]:
     """The exact ``torchrun`` command to paste on each host (``hosts[0]`` is the master).
 
-    ``rendezvous="static"`` gives each host its ``--node_rank`` and ``--master_addr``;
-    ``"c10d"`` uses an elastic rendezvous hosted on the first host. Each c10d line
-    names its own host (``--local_addr``) and the first says it hosts the store
-    (``is_host=1``): torchrun would otherwise guess both from the machine's host
-    name, which on clusters with a separate training network resolves elsewhere. ``run_dir`` is where
-    ``train_ddp.py`` and ``config.json`` sit on every node. ``node_rank`` returns that
-    one node's line only.
+    ``what``: a :class:`~ddpnb.Script` or the worker's TrainConfig. ``rendezvous="static"``
+    gives each host its ``--node_rank`` and ``--master_addr``; ``"c10d"`` uses an elastic
+    rendezvous hosted on the first host. Each c10d line names its own host
+    (``--local_addr``) and the first says it hosts the store (``is_host=1``): torchrun
+    would otherwise guess both from the machine's host name, which on clusters with a
+    separate training network resolves elsewhere. ``run_dir`` is where the script and
+    its files sit on every node. ``node_rank`` returns that one node's line only.
 
     Example
     -------
@@ -59,7 +61,7 @@ def node_commands(
     >>> cmds[1].split()[:3]
     ['torchrun', '--nnodes=2', '--node_rank=1']
     """
-    config = as_config(config)
+    script = what if isinstance(what, Script) else worker_script(as_config(what))
     hosts = list(hosts)
     if not hosts or not all(isinstance(h, str) and h for h in hosts):
         raise ConfigError("hosts must be a non-empty list of host names or addresses.")
@@ -69,33 +71,18 @@ def node_commands(
         raise ConfigError(
             f"node_rank must be in 0..{nnodes - 1} (node_rank < nnodes = len(hosts)), got {node_rank!r}."
         )
-    if rendezvous not in ("static", "c10d"):
-        raise ConfigError("rendezvous must be 'static' or 'c10d'.")
     if _is_public(hosts[0]):
         warnings.warn(
             f"master address {hosts[0]} is a public address. torch.distributed's TCPStore has no "
             "authentication: run multi-node jobs only on a trusted private network.",
             stacklevel=2,
         )
-    run_dir = Path(run_dir)
-    tail = [str(run_dir / WORKER_NAME), "--config", str(run_dir / "config.json")]
+    # Unique per run directory, so two jobs on one endpoint cannot collide.
+    rdzv_id = f"ddpnb-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}"
     lines = []
     for rank, host in enumerate(hosts):
-        if rendezvous == "static":
-            opts = topology.torchrun_args(rank)
-        else:
-            opts = [
-                f"--nnodes={nnodes}",
-                f"--nproc_per_node={nproc_per_node}",
-                "--rdzv_backend=c10d",
-                f"--rdzv_endpoint={hosts[0]}:{master_port}",
-                # Unique per run directory, so two jobs on one endpoint cannot collide.
-                f"--rdzv_id=ddpnb-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}",
-                f"--rdzv_conf=join_timeout={rdzv_timeout},is_host={int(rank == 0)}",
-                f"--local_addr={host}",
-                f"--max_restarts={max_restarts}",
-            ]
-        lines.append(shlex.join(["torchrun", *opts, *tail]))
+        opts = topology.torchrun_args(rank, rendezvous=rendezvous, rdzv_id=rdzv_id, local_addr=host)
+        lines.append(shlex.join(["torchrun", *opts, *script.command(str(run_dir))]))
     return lines if node_rank is None else [lines[node_rank]]
 
 
@@ -108,8 +95,15 @@ def format_node_commands(hosts: Sequence[str], commands: Sequence[str]) -> str:
     return "\n\n".join(parts)
 
 
+def _batch_word(word: str) -> str:
+    """A word of the batch script: quoted, but the job's own variables expand."""
+    if re.search(r"\$(head_node|master_port|SLURM_\w+)", word):
+        return '"' + word + '"'
+    return shlex.quote(word)
+
+
 def slurm_script(
-    config: TrainConfig | Mapping[str, Any],
+    what: Script | TrainConfig | Mapping[str, Any],
     run_dir: str | os.PathLike,
     nnodes: int = 2,
     nproc_per_node: int = 1,
@@ -126,6 +120,7 @@ def slurm_script(
     rdzv_timeout: int = 300,
     marker: str | None = None,
     batch_log: str = "%x-%j.out",
+    env: Mapping[str, str] | None = None,
 ) -> str:
     """An sbatch script that runs the worker with one torchrun per node (c10d rendezvous).
 
@@ -137,14 +132,14 @@ def slurm_script(
     on every node, else the job exits at once with code 97 (no shared filesystem).
     Each node's output goes to ``run_dir/logs/node-N.log``, lines prefixed by rank;
     the script's own to ``batch_log`` (in the submit directory unless absolute; its
-    folder must exist before the job starts).
+    folder must exist before the job starts). ``env`` is exported to every node.
 
     Example
     -------
-    >>> "srun torchrun" in slurm_script(TrainConfig(), "/shared/run", nnodes=4)
+    >>> "torchrun" in slurm_script(TrainConfig(), "/shared/run", nnodes=4)
     True
     """
-    as_config(config)
+    script = what if isinstance(what, Script) else worker_script(as_config(what))
     # The head node's address is known only inside the allocation: a placeholder here.
     topology = Topology(
         nnodes, nproc_per_node, "$head_node", master_port or 1, rdzv_timeout, max_restarts
@@ -178,6 +173,12 @@ $SLURMD_NODENAME cannot see $0, the marker written at submission: the run direct
 be on a filesystem shared by the submit host and every node." >&2; exit 97; }}' \\
     {marker_path} {q(marker)}
 """
+    args = topology.torchrun_args(
+        None, log_dir="", rendezvous="c10d", rdzv_id="$SLURM_JOB_ID", port=port
+    )
+    args += script.command(str(run_dir))
+    torchrun = " \\\n    ".join(_batch_word(a) for a in args)
+    exports = "".join(f"export {k}={q(v)}\n" for k, v in (env or {}).items())
     text = f"""#!/bin/bash
 {header}
 
@@ -191,7 +192,8 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
 head_node=${{head_addr:-$head_node}}
 {port_line}mkdir -p {q(str(run_dir))}/logs
-
+export {RUN_DIR_ENV}={q(str(run_dir))} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
+{exports}
 # srun starts one task per node. Its options, set as its environment variables: stop
 # every node when one fails; each node's output to logs/node-N.log (N: the node's index
 # in the job), appended to after a requeue.
@@ -203,16 +205,9 @@ export SLURM_STDOUTMODE={q(str(run_dir / "logs" / "node-%n.log"))}
 srun bash -c 'addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")
 export PET_LOCAL_ADDR="${{addr:-$SLURMD_NODENAME}}"
 export PET_RDZV_CONF="join_timeout={topology.rdzv_timeout},is_host=$((SLURM_NODEID == 0))"
+export PET_LOG_DIR="$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"
 exec "$@"' bash {launcher} \\
-    --nnodes "$SLURM_NNODES" \\
-    --nproc_per_node {topology.nproc_per_node} \\
-    --rdzv_backend c10d \\
-    --rdzv_endpoint "{topology.master_addr}:{port}" \\
-    --rdzv_id "$SLURM_JOB_ID" \\
-    --max_restarts {topology.max_restarts} \\
-    --log_dir {q(str(run_dir / "logs" / "torchrun"))} --tee 3 \\
-    --log_line_prefix_template '[rank${{rank}}] ' \\
-    {q(str(run_dir / WORKER_NAME))} --config {q(str(run_dir / "config.json"))}
+    {torchrun}
 """
     if path is not None:
         Path(path).write_text(text)

@@ -72,16 +72,70 @@ def worker_exit_code(text: str, rank: int | None) -> int | None:
     return None
 
 
-def worker_errors(run_dir: Path, nodes: Sequence[int], nproc_per_node: int) -> list:
-    """Every worker error file: ((secondary, mtime), node, global_rank, info), root cause first."""
+# torchrun's failure summary: "rank : 1 (local_rank: 1)", "exitcode : 1 (pid: 9)",
+# "error_file: /path/error.json" (<N/A> without @record).
+_SUMMARY = re.compile(
+    r"^\s*rank\s*:\s*(\d+) \(local_rank:\s*(\d+)\).*\n\s*exitcode\s*:\s*(-?\d+).*\n"
+    r"\s*error_file\s*:\s*(\S+)",
+    re.M,
+)
+
+
+def failed_ranks(run_dir: Path, node: int) -> list[dict]:
+    """Each failed worker in a node's torchrun summary: rank, local_rank, exit_code, error_file."""
+    return [
+        {
+            "rank": int(m.group(1)),
+            "local_rank": int(m.group(2)),
+            "exit_code": int(m.group(3)),
+            "error_file": None if m.group(4) == "<N/A>" else m.group(4),
+        }
+        for m in _SUMMARY.finditer(log_tail(run_dir, node, 400))
+    ]
+
+
+def stderr_traceback(path: Path) -> dict | None:
+    """A worker's last Python traceback from its ``stderr.log``: for scripts without ``@record``.
+
+    torchrun keeps each worker's stderr under ``--log_dir``; the traceback Python
+    printed there is the script's own, with torch's ``[rankN]:`` prefix removed.
+    """
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    lines = [re.sub(r"^\[rank\d+\]:\s?", "", line) for line in text.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call")]
+    if not starts:
+        return None
+    block = lines[starts[-1] :]
+    message = next((line for line in reversed(block) if line.strip()), "")
+    return {"message": message.strip(), "traceback": "\n".join(block), "timestamp": 0}
+
+
+def worker_errors(
+    run_dir: Path, nodes: Sequence[int], nproc_per_node: int, since: float = 0.0
+) -> list:
+    """Every failed worker's error: ((secondary, mtime), node, global_rank, info), root cause first.
+
+    From torchrun's ``error.json`` (``@record``) or else the worker's ``stderr.log``;
+    files older than ``since`` belong to an earlier launch and are skipped.
+    """
     errors = []
     for node in nodes:
-        for path in (Path(run_dir) / "logs" / f"node-{node}").glob("*/attempt_*/*/error.json"):
-            info = read_error_file(path)
-            if info:
-                rank = node * nproc_per_node + int(path.parent.name)
-                secondary = any(w in info["message"] for w in SECONDARY_ERRORS)
-                errors.append(((secondary, path.stat().st_mtime), node, rank, info))
+        summary = {r["local_rank"]: r["rank"] for r in failed_ranks(run_dir, node)}
+        for folder in (Path(run_dir) / "logs" / f"node-{node}").glob("*/attempt_*/*"):
+            if not folder.name.isdigit():
+                continue
+            found = [(p, read(p)) for p, read in ((folder / "error.json", read_error_file),
+                     (folder / "stderr.log", stderr_traceback))]  # fmt: skip
+            path, info = next(((p, i) for p, i in found if i), (None, None))
+            if info is None or path.stat().st_mtime < since - 1:
+                continue
+            local = int(folder.name)
+            rank = summary.get(local, node * nproc_per_node + local)
+            secondary = any(w in info["message"] for w in SECONDARY_ERRORS)
+            errors.append(((secondary, path.stat().st_mtime), node, rank, info))
     return sorted(errors, key=lambda e: e[0])
 
 
@@ -188,7 +242,7 @@ def diagnose_failure(
     The root cause comes first: peers that lost their connection to a dead rank fail
     later and say so.
     """
-    errors = worker_errors(run_dir, local_nodes, topology.nproc_per_node)
+    errors = worker_errors(run_dir, local_nodes, topology.nproc_per_node, started_at)
     node = min(failed)
     tail = log_tail(run_dir, node, 200)
     lost = lost_node(run_dir, topology, local_nodes, failed, errors, started_at)

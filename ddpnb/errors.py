@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DdpnbError(Exception):
     """Base class of every error ddpnb raises on purpose."""
@@ -108,3 +110,29 @@ class NetworkError(HostError):
     def __init__(self, message: str, *, host: str | None = None, report=None) -> None:
         self.report = report
         super().__init__(message, host=host)
+
+
+class SlurmError(LaunchError):
+    """Slurm cannot be used from here (no ``sbatch``), or one of its commands failed."""
+
+
+class SlurmRequestError(ConfigError):
+    """The job asks for what the cluster does not have (partition, nodes, GPUs)."""
+
+
+class SlurmJobEnded(RunFailed):
+    """Slurm ended the job before the run finished: time limit, node failure, cancelled.
+
+    ``state`` is Slurm's job state (``TIMEOUT``, ``NODE_FAIL``, ``CANCELLED``,
+    ``PREEMPTED``, ...), ``reason`` Slurm's reason, ``job_id`` the job.
+    """
+
+    def __init__(self, message: str, *, state: str, reason: str, job_id: str, **kw: Any) -> None:
+        self.state = state
+        self.reason = reason
+        self.job_id = job_id
+        super().__init__(message, **kw)
+
+
+class RunDirNotShared(RunFailed):
+    """A node of the job could not see the run directory: it is not on a shared filesystem."""

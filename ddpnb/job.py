@@ -1,24 +1,29 @@
-"""A launched run: its processes, their lifeline, and following it to the end.
+"""A launched run: followed to its end, stopped, diagnosed — whatever runs its nodes.
 
-:class:`Job` is what :func:`ddpnb.launch` returns, for simulated nodes and for real
-hosts alike. The lifeline ties every node's agent to this process: the agents hold
-the read end of a pipe whose write end only this process holds, so they stop their
-nodes when it ends, however it ends.
+:class:`Job` is what :func:`ddpnb.launch` and :func:`ddpnb.submit_slurm` return. What
+differs between simulated nodes, SSH hosts and a Slurm job is a small backend: how the
+nodes are asked how they are (``poll``), stopped, and how files move (``sync``,
+``fetch``); everything else — the panel, the stall watch, the diagnosis of a failure —
+is written once, here.
+
+The lifeline ties every node's agent to this process: the agents hold the read end of
+a pipe whose write end only this process holds, so they stop their nodes when it ends,
+however it ends (a Slurm job belongs to the cluster instead, and has none).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import subprocess
 import time
 import weakref
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from .agent import descendants
-from .config import TrainConfig
 from .diagnosis import check_stalled, diagnose_failure, log_tail
 from .errors import RunFailed
 from .metrics import RunMetrics, load_metrics, read_progress
@@ -27,23 +32,38 @@ from .topology import Topology
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 4.0
-REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace (5 s)
+WORKER_LINE = re.compile(rb"^\[rank\d+\]", re.M)  # torchrun's prefix on a worker's output
 
 
-class Remote(Protocol):
-    """What a Job on real hosts adds (``ddpnb.remote`` has it): files and hosts over SSH."""
+class Backend(Protocol):
+    """How a Job's nodes run: on this machine, on SSH hosts, or in a Slurm job."""
 
-    hosts: list[str]  # per node, as the user named them
-    checkpoint_dir: str  # where node 0 keeps the checkpoints ("host:path" when not here)
+    hosts: list[str] | None  # per node, as the user named them (None: this machine)
+    watch_stalls: bool  # a silent run is a stalled one (not while a scheduler queues it)
+
+    def poll(self) -> dict[int, int | None]:
+        """Each node's exit code, None while it runs (or waits to)."""
+
+    def pending(self) -> str | None:
+        """Why the nodes have not started (a scheduler's queue), or None."""
+
+    def since(self) -> float | None:
+        """When the nodes of this attempt started (None: when the Job was created)."""
+
+    def stop(self) -> None:
+        """End every process of the run, wherever it runs; return once they are gone."""
 
     def sync(self) -> None:
-        """Bring node 0's progress files here if they are not on a shared filesystem."""
+        """Bring node 0's progress files here while the run goes on (if not shared)."""
 
     def fetch(self) -> None:
-        """Bring every node's metrics, rank records and logs here once the run has ended."""
+        """Bring every node's results and logs here once the run has ended."""
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
-        """The error with its host named (and an ended SSH connection as a lost node)."""
+        """The diagnosed error with what only the backend knows (host, scheduler state)."""
+
+    def pids(self) -> list[int]:
+        """Processes of the run on this machine that are still alive."""
 
 
 def _alive(pid: int) -> bool:
@@ -94,114 +114,68 @@ def _close_lifelines_in_child() -> None:
 @atexit.register
 def _stop_live_jobs() -> None:  # a kernel restart must not leave workers behind
     for job in list(_live_jobs):
-        job.stop()
+        if not getattr(job.backend, "outlives_launcher", False):  # a Slurm job does
+            job.stop()
 
 
-class Job:
-    """A launched run: its processes, files and gathered metrics.
+class Processes:
+    """Nodes that are processes of this machine: torchrun agents, or ssh clients running them.
 
-    Returned by :func:`launch`. ``wait()`` follows it to the end (raising
-    :class:`~ddpnb.errors.WorkerFailed` on failure), ``stop()`` ends every process.
+    Local and SSH nodes differ only in the command that starts them; this class
+    watches and stops either kind.
     """
 
-    def __init__(
-        self,
-        run_dir: Path,
-        config: TrainConfig,
-        procs: dict[int, subprocess.Popen],
-        topology: Topology,
-        *,
-        progress: str = "none",
-        lifeline: int | None = None,
-        remote: Remote | None = None,
-    ) -> None:
-        self.run_dir = run_dir
-        self.config = config
-        self.procs = procs
-        self.topology = topology
-        self.log_paths = {n: run_dir / "logs" / f"node-{n}.log" for n in procs}
-        self.progress_mode = progress
-        self.started_at = time.time()
-        self.ended_at: float | None = None
-        self.error: BaseException | None = None
-        self._known_pids: set[int] = set()
-        self._lifeline = lifeline  # write end of the pipe the agents watch
-        self.remote = remote
-        self.hosts = remote.hosts if remote else None  # per node, on real hosts
-        self._fetched = False
-        _live_jobs.add(self)
+    hosts: list[str] | None = None
+    watch_stalls = True
 
-    # torchrun's names, read from the topology
-    nnodes = property(lambda self: self.topology.nnodes)
-    nproc_per_node = property(lambda self: self.topology.nproc_per_node)
-    world_size = property(lambda self: self.topology.world_size)
-    master_addr = property(lambda self: self.topology.master_addr)
-    master_port = property(lambda self: self.topology.master_port)
-    rdzv_timeout = property(lambda self: self.topology.rdzv_timeout)
-    max_restarts = property(lambda self: self.topology.max_restarts)
+    def __init__(self) -> None:
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.lifeline: int | None = None  # write end of the pipe the agents watch
+        self._known: set[int] = set()
 
-    # -- state -------------------------------------------------------------------
+    def start(self, node: int, cmd: list[str], log: Path, shown: str, **popen: Any) -> None:
+        """Start node ``node``'s command, its output appended to ``log``, in its own group."""
+        with open(log, "ab") as out:
+            out.write(f"$ {shown}\n".encode())
+            out.flush()
+            self.procs[node] = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen
+            )
 
-    @property
-    def metrics(self) -> RunMetrics:
-        """The run's gathered metrics (re-read on every access)."""
-        return load_metrics(self.run_dir)
-
-    @property
-    def returncodes(self) -> dict[int, int | None]:
+    def poll(self) -> dict[int, int | None]:
+        self.pids()
         return {n: p.poll() for n, p in self.procs.items()}
 
-    @property
-    def running(self) -> bool:
-        return any(rc is None for rc in self.returncodes.values())
+    def pending(self) -> str | None:
+        return None
 
-    def node_status(self) -> dict[int, str]:
-        """``starting`` / ``running`` / ``done`` / ``failed`` (or ``stopped``) per node."""
-        joined = bool(read_progress(self.run_dir))
-        out = {}
-        for n in range(self.nnodes):
-            proc = self.procs.get(n)
-            if proc is None:
-                out[n] = "running" if joined else "external"
-                continue
-            rc = proc.poll()
-            if rc is None:
-                out[n] = "running" if joined else "starting"
-            elif rc == 0:
-                out[n] = "done"
-            else:
-                out[n] = "stopped" if isinstance(self.error, KeyboardInterrupt) else "failed"
-        return out
-
-    def log_tail(self, node: int = 0, lines: int = 20) -> str:
-        """The last ``lines`` lines of a node's log."""
-        return log_tail(self.run_dir, node, lines)
+    def since(self) -> float | None:
+        return None
 
     def pids(self) -> list[int]:
-        """Agent and worker PIDs of this run that are still alive."""
-        self._remember_pids()
-        return sorted(p for p in self._known_pids if _alive(p))
-
-    def _remember_pids(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
-                self._known_pids.add(proc.pid)
-                self._known_pids.update(descendants(proc.pid))
+                self._known.add(proc.pid)
+                self._known.update(descendants(proc.pid))
+        return sorted(p for p in self._known if _alive(p))
 
-    # -- control -------------------------------------------------------------------
+    def cut_lifeline(self) -> None:
+        if self.lifeline is not None:
+            close_lifeline(self.lifeline)
+            self.lifeline = None
+
+    def kill_all(self) -> None:
+        """Processes started before a Job existed (a failed start): no grace."""
+        for proc in self.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.cut_lifeline()
 
     def stop(self) -> None:
-        """Stop every process of the run: SIGTERM, then SIGKILL after a short grace.
-
-        On SSH hosts the lifeline goes first: each host's agent sees its SSH session's
-        input end and stops its node there; the local ssh clients are ended after that.
-        """
-        if self.remote is not None:
-            self._cut_lifeline()
-            deadline = time.monotonic() + REMOTE_STOP_SECONDS
-            while time.monotonic() < deadline and self.running:
-                time.sleep(0.05)
-        self._remember_pids()
+        """SIGTERM every agent's group, SIGKILL what is left after a short grace."""
+        self.pids()
         for proc in self.procs.values():
             if proc.poll() is None:
                 try:
@@ -209,11 +183,11 @@ class Job:
                 except OSError:
                     pass
         deadline = time.monotonic() + STOP_GRACE_SECONDS
-        while time.monotonic() < deadline and any(_alive(p) for p in self._known_pids):
+        while time.monotonic() < deadline and any(_alive(p) for p in self._known):
             for proc in self.procs.values():
                 proc.poll()  # reap agents so they stop counting as alive
             time.sleep(0.05)
-        for pid in self._known_pids:
+        for pid in self._known:
             if _alive(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -224,92 +198,226 @@ class Job:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-        if self.ended_at is None:
-            self.ended_at = time.time()
-        self._cut_lifeline()
+        self.cut_lifeline()
+
+    def sync(self) -> None:
+        pass
+
+    def fetch(self) -> None:
+        pass
+
+    def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
+        return error
+
+
+class Job:
+    """A launched run: its nodes, files and gathered metrics.
+
+    Returned by :func:`ddpnb.launch` and :func:`ddpnb.submit_slurm`. ``wait()`` follows
+    it to the end (raising :class:`~ddpnb.errors.WorkerFailed` on failure), ``stop()``
+    ends every process of it.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        script: Any,
+        config: Any,
+        topology: Topology,
+        backend: Backend,
+        *,
+        progress: str = "none",
+        started_at: float | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.script = script  # the ddpnb.Script that runs
+        self.config = config  # its TrainConfig when it is ddpnb's worker, else None
+        self.topology = topology
+        self.backend = backend
+        self.log_paths = {
+            n: self.run_dir / "logs" / f"node-{n}.log" for n in range(topology.nnodes)
+        }
+        self._log_start = {n: _size(p) for n, p in self.log_paths.items()}
+        self.progress_mode = progress
+        self.started_at = started_at or time.time()
+        self.ended_at: float | None = None
+        self.error: BaseException | None = None
+        self._ended = False
+        _live_jobs.add(self)
+
+    # torchrun's names, read from the topology
+    nnodes = property(lambda self: self.topology.nnodes)
+    nproc_per_node = property(lambda self: self.topology.nproc_per_node)
+    world_size = property(lambda self: self.topology.world_size)
+    # A Slurm job's first node is known once it runs.
+    master_addr = property(
+        lambda self: getattr(self.backend, "master_addr", None) or self.topology.master_addr
+    )
+    master_port = property(lambda self: self.topology.master_port)
+    rdzv_timeout = property(lambda self: self.topology.rdzv_timeout)
+    max_restarts = property(lambda self: self.topology.max_restarts)
+    hosts = property(lambda self: self.backend.hosts)
+    procs = property(lambda self: getattr(self.backend, "procs", {}))
+
+    def __getattr__(self, name: str) -> Any:
+        # What only one backend has (a Slurm job's job_id, state, batch_log()).
+        if name.startswith("_") or name == "backend":
+            raise AttributeError(name)
+        return getattr(self.backend, name)
+
+    # -- state -------------------------------------------------------------------
+
+    @property
+    def metrics(self) -> RunMetrics:
+        """The run's gathered metrics (re-read on every access)."""
+        return load_metrics(self.run_dir)
+
+    @property
+    def epochs(self) -> int | None:
+        """How many epochs the run trains, when it says (the worker's config, or its reports)."""
+        if self.config is not None:
+            return self.config.epochs
+        return read_progress(self.run_dir).get("epochs")
+
+    @property
+    def returncodes(self) -> dict[int, int | None]:
+        return self.backend.poll()
+
+    @property
+    def running(self) -> bool:
+        return any(rc is None for rc in self.returncodes.values())
+
+    def node_status(self) -> dict[int, str]:
+        """``pending``, ``starting``, ``running``, ``done``, ``failed`` or ``stopped`` per node."""
+        waiting = self.backend.pending()
+        if waiting:
+            return dict.fromkeys(range(self.nnodes), waiting)
+        since = self.backend.since() or self.started_at
+        joined = read_progress(self.run_dir).get("time", 0) >= since - 1
+        codes = self.returncodes
+        out = {}
+        for n in range(self.nnodes):
+            rc = codes.get(n, "external")
+            if rc == "external":
+                out[n] = "running" if joined else "external"
+            elif rc is None:
+                out[n] = "running" if joined or self._worker_output(n) else "starting"
+            elif rc == 0:
+                out[n] = "done"
+            else:
+                out[n] = "stopped" if isinstance(self.error, KeyboardInterrupt) else "failed"
+        return out
+
+    def _worker_output(self, node: int) -> bool:
+        """True once a worker of ``node`` has printed a line in this launch."""
+        try:
+            with open(self.log_paths[node], "rb") as f:
+                f.seek(self._log_start[node])
+                return bool(WORKER_LINE.search(f.read()))
+        except OSError:
+            return False
+
+    def last_line(self, node: int) -> str:
+        """The node's last output line (its workers' or torchrun's)."""
+        for line in reversed(log_tail(self.run_dir, node, 5).splitlines()):
+            if line.strip() and not line.startswith("$ "):
+                return line.strip()
+        return ""
+
+    def log_tail(self, node: int = 0, lines: int = 20) -> str:
+        """The last ``lines`` lines of a node's log."""
+        return log_tail(self.run_dir, node, lines)
+
+    def pids(self) -> list[int]:
+        """PIDs of this run's processes on this machine that are still alive."""
+        return self.backend.pids()
+
+    # -- control -------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop every process of the run, wherever it runs."""
+        self.backend.stop()
+        self._end()
+
+    def _end(self) -> None:
+        self.ended_at = self.ended_at or time.time()
         _live_jobs.discard(self)
-        self._fetch()
-
-    def _fetch(self) -> None:
-        if self.remote is not None and not self._fetched:
-            self._fetched = True
-            self.remote.fetch()
-
-    def _cut_lifeline(self) -> None:
-        if self._lifeline is not None:
-            close_lifeline(self._lifeline)
-            self._lifeline = None
+        if not self._ended:
+            self._ended = True
+            self.backend.fetch()
 
     def wait(self, timeout: float | None = None) -> Job:
         """Follow the run to its end, showing progress; return self.
 
-        Raises :class:`WorkerFailed` (with node, rank, exit code and traceback) when
-        a worker fails, :class:`RendezvousTimeout` when the nodes do not all join, and
-        stops every process on KeyboardInterrupt before re-raising it.
+        Raises :class:`WorkerFailed` (with host, node, rank, exit code and traceback)
+        when a worker fails, :class:`RendezvousTimeout` when the nodes do not all join,
+        and stops every process on KeyboardInterrupt before re-raising it.
+        ``timeout`` (seconds) raises TimeoutError and leaves the run going.
         """
         display = make_progress(self.progress_mode, self)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while True:
-                if self.remote is not None:
-                    self.remote.sync()
-                display.update()
-                codes = self.returncodes
-                failed = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
-                if failed:
-                    self.error = self._failure(failed)
-                    self.stop()
-                    break
-                if all(rc == 0 for rc in codes.values()):
-                    break
-                self.error = self._check_stalled()
-                if self.error:
-                    self.stop()
-                    break
+            while not self._finished():
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"The run did not finish within {timeout} s (still running)."
+                        f"The run did not finish within {timeout} s (still running); "
+                        "wait() again, or stop() it."
                     )
-                self._remember_pids()
                 time.sleep(POLL_SECONDS)
+                self.backend.sync()
+                display.update()
         except KeyboardInterrupt as e:
             self.error = e
             self.stop()
             display.close(self)
             print(f"Interrupted: stopped every process of the run in {self.run_dir}.")
             raise
-        self.ended_at = self.ended_at or time.time()
-        self._cut_lifeline()
-        _live_jobs.discard(self)
-        self._fetch()
+        if self.error is not None:
+            self.stop()
+        self._end()
         display.close(self)
         if self.error:
             raise self.error
         return self
 
+    def _finished(self) -> bool:
+        """True once every node ended, or one failed (self.error then says how)."""
+        codes = self.returncodes
+        failed = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
+        if failed:
+            self.error = self._failure(failed)
+            return True
+        if codes and all(rc == 0 for rc in codes.values()):
+            return True
+        if self.backend.watch_stalls and self.backend.pending() is None:
+            self.error = self._check_stalled()
+        return self.error is not None
+
     # -- failures ---------------------------------------------------------------------
 
     def _check_stalled(self) -> RunFailed | None:
+        if self.config is None and not read_progress(self.run_dir):
+            return None  # a script that does not report: torchrun's own timeouts apply
+        timeout = self.config.timeout_seconds if self.config is not None else 300
         return check_stalled(
-            self.run_dir,
-            self.topology,
-            list(self.procs),
-            self.started_at,
-            self.config.timeout_seconds,
+            self.run_dir, self.topology, list(self.returncodes), self.started_at, timeout
         )
 
     def _failure(self, failed: dict[int, int]) -> RunFailed:
         time.sleep(0.5)  # give the other agents a moment to write their error files
-        if self.remote is None:
-            return diagnose_failure(
-                self.run_dir, self.topology, list(self.procs), failed, self.started_at
-            )
-        self.remote.fetch()  # the error files and rank records of hosts without a shared filesystem
+        self.backend.fetch()  # error files and logs of hosts without a shared filesystem
         error = diagnose_failure(
-            self.run_dir, self.topology, list(self.procs), failed, self.started_at
+            self.run_dir, self.topology, list(self.returncodes), failed, self.started_at
         )
-        return self.remote.explain(error, failed)
+        return self.backend.explain(error, failed)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "finished"
         return f"<ddpnb.Job {self.run_dir} {self.nnodes}x{self.nproc_per_node} {state}>"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

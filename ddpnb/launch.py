@@ -1,30 +1,36 @@
-"""Launching a run: one ``torchrun`` per node, followed until it ends or fails.
+"""The launch pipeline: check, prepare the run directory, start the nodes, follow, diagnose.
 
-The kernel never joins the process group: it starts each node's torchrun agent as a
-fresh process (no fork), from an explicit copy of the environment, and watches the
-files the workers write.
+Written once for every way a run's nodes start. A backend says how: simulated nodes on
+this machine (here), real hosts over SSH (``ddpnb.remote``), a Slurm job
+(``ddpnb.slurm``). The kernel never joins the process group: each node runs one
+``torchrun`` agent as a fresh process (no fork), from an explicit environment, and
+the Job follows the files the workers write.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .agent import LIFELINE_ENV
 from .config import TrainConfig
-from .constants import threads_for_host
 from .errors import ConfigError, LaunchError
-from .job import Job, close_lifeline, open_lifeline
+from .job import Job, Processes, open_lifeline
 from .log import logger
-from .preflight import check_launch, warn_if_cuda_initialised, warn_pitfalls
-from .remote import launch_on_hosts
-from .rundir import WORKER_NAME, prepare_run_dir, write_worker
+from .plan import Plan
+from .preflight import (
+    check_launch,
+    check_run,
+    warn_if_cuda_initialised,
+    warn_pitfalls,
+)
+from .rundir import prepare_run_dir
+from .script import Script, worker_script
 from .topology import Topology
 
 __all__ = ["Job", "launch", "train_single"]
@@ -32,11 +38,53 @@ __all__ = ["Job", "launch", "train_single"]
 AGENT = Path(__file__).with_name("agent.py")
 
 
-# -- the public entry points ---------------------------------------------------------------
+class Starter(Protocol):
+    """What a backend does for the pipeline (``Local``, ``remote.Hosts``, ``slurm.Batch``)."""
+
+    data_here: bool  # the tutorial's dataset must be on this machine
+
+    def preflight(self, plan: Plan) -> Topology:
+        """Check everything the backend needs (hosts, ports, the cluster); the final topology."""
+
+    def start(self, plan: Plan) -> Job:
+        """Place the files, start every node; the Job that follows them."""
+
+
+def run(
+    what: Script | TrainConfig | Mapping[str, Any],
+    run_dir: str | os.PathLike,
+    starter: Starter,
+    topology: Topology,
+    *,
+    resume: bool,
+    overwrite: bool,
+    progress: str,
+    env: Mapping[str, str] | None,
+    wait: bool,
+) -> Job:
+    """The pipeline every launch goes through; nothing starts before every check passed."""
+    plan = Plan(what, topology, progress=progress, env=env)
+    plan.resume, plan.overwrite = resume, overwrite
+    plan.script.check()
+    if plan.config is not None:
+        plan.config = check_run(plan.config, topology, here=starter.data_here)
+        plan.script = worker_script(plan.config)  # its config.json holds the checked paths
+    plan.run_dir = prepare_run_dir(
+        run_dir, plan.script.payload(), plan.config, resume=resume, overwrite=overwrite
+    ).resolve()
+    plan.topology = starter.preflight(plan)
+    warn_if_cuda_initialised()
+    for name, data in plan.script.payload().items():
+        (plan.run_dir / name).write_bytes(data)
+    (plan.run_dir / "logs").mkdir(exist_ok=True)
+    if plan.config is not None:
+        warn_pitfalls(plan.config)
+    job = starter.start(plan)
+    return job.wait() if wait else job
 
 
 def launch(
-    config: TrainConfig | Mapping[str, Any],
+    what: Script | TrainConfig | Mapping[str, Any],
     run_dir: str | os.PathLike,
     nnodes: int | None = None,
     nproc_per_node: int = 1,
@@ -49,37 +97,44 @@ def launch(
     resume: bool = False,
     overwrite: bool = False,
     progress: str = "auto",
-    local_nodes: Iterable[int] | None = None,
     env: Mapping[str, str] | None = None,
+    local_nodes: Iterable[int] | None = None,
     hosts: Sequence[str] | None = None,
     ssh_config: str | os.PathLike | None = None,
     ssh_options: Sequence[str] = (),
     python: str | None = None,
     remote_run_dir: str | None = None,
 ) -> Job:
-    """Train with DDP: write the worker, start one ``torchrun`` per node, follow it.
+    """Run a script with DDP: one ``torchrun`` per node, followed to its end.
 
-    Node 0 is the master and hosts the rendezvous at ``master_addr:master_port``.
-    Without ``hosts`` the ``nnodes`` nodes (default 2) are simulated on this machine,
-    on loopback, and its cores are split over all their processes; ``local_nodes``
-    limits which nodes start here (the others run :func:`node_commands` on their own
-    hosts). With ``hosts`` (``["gpu1", "alice@gpu2", "10.0.0.3:2222"]``) each host runs
-    one node, started over SSH (``ssh_config``: ``ssh -F``; ``ssh_options``: extra ssh
-    arguments; ``python``: the hosts' interpreter, default this one's path); the first
-    host is node 0 and ``master_addr`` defaults to its address. ``env`` is added to
-    every node's environment. Everything is validated before any process starts.
+    ``what`` is a :class:`~ddpnb.Script` (any torchrun script, its arguments and files)
+    or a :class:`~ddpnb.TrainConfig` (ddpnb's tutorial worker). Node 0 is the master and
+    hosts the rendezvous at ``master_addr:master_port``. Without ``hosts`` the ``nnodes``
+    nodes (default 2) are simulated on this machine, on loopback, and its cores are split
+    over all their processes; ``local_nodes`` limits which nodes start here (the others
+    run :func:`node_commands` on their own hosts). With ``hosts``
+    (``["gpu1", "alice@gpu2", "10.0.0.3:2222"]``) each host runs one node, started over
+    SSH (``ssh_config``: ``ssh -F``; ``ssh_options``: extra ssh arguments; ``python``:
+    the hosts' interpreter, default this one's path; ``remote_run_dir``: the run
+    directory on hosts that do not share this one); the first host is node 0 and
+    ``master_addr`` defaults to its address. ``env`` is added to every node's
+    environment. The run directory is the script's working directory on every node;
+    what node 0 writes there is here when the run ends. Everything is validated before
+    any process starts.
 
     Returns a :class:`Job` (already finished when ``wait``); raises
-    :class:`~ddpnb.errors.WorkerFailed` if a worker fails.
+    :class:`~ddpnb.errors.WorkerFailed` (host, node, rank, exit code, the script's
+    traceback) if a worker fails.
 
     Example
     -------
-    >>> job = launch(TrainConfig(data_dir="data/digits"), "runs/ddp", nnodes=2)   # doctest: +SKIP
-    >>> job.metrics.final["val_acc"]                                              # doctest: +SKIP
-    0.97
-    >>> launch(cfg, "runs/lab", hosts=["gpu1", "gpu2"], nproc_per_node=4)        # doctest: +SKIP
+    >>> job = launch(Script("train.py", args=["--epochs", "3"]), "runs/mine", nnodes=2)  # doctest: +SKIP
+    >>> job = launch(TrainConfig(data_dir="data/digits"), "runs/ddp", nnodes=2)         # doctest: +SKIP
+    >>> launch(cfg, "runs/lab", hosts=["gpu1", "gpu2"], nproc_per_node=4)              # doctest: +SKIP
     """
     if hosts is not None:
+        from .remote import Hosts
+
         if nnodes is not None and nnodes != len(hosts):
             raise ConfigError(
                 f"nnodes={nnodes} but {len(hosts)} hosts were given: with hosts, each host is "
@@ -87,106 +142,92 @@ def launch(
             )
         if local_nodes is not None:
             raise ConfigError("local_nodes applies to simulated nodes; with hosts every host runs.")
-        return launch_on_hosts(
-            config, run_dir, hosts, nproc_per_node=nproc_per_node, master_addr=master_addr,
-            master_port=master_port, max_restarts=max_restarts, rdzv_timeout=rdzv_timeout,
-            wait=wait, resume=resume, overwrite=overwrite, progress=progress, env=env,
-            ssh_config=ssh_config, ssh_options=ssh_options, python=python,
-            remote_run_dir=remote_run_dir,
-        )  # fmt: skip
-    if ssh_config is not None or ssh_options or python or remote_run_dir:
-        raise ConfigError("ssh_config, ssh_options, python and remote_run_dir need hosts=[...].")
-    nnodes = 2 if nnodes is None else nnodes
-    master_addr = master_addr or "127.0.0.1"
-    config, topology, nodes = check_launch(
-        config,
-        nnodes=nnodes,
-        nproc_per_node=nproc_per_node,
-        master_addr=master_addr,
-        master_port=master_port,
-        max_restarts=max_restarts,
-        rdzv_timeout=rdzv_timeout,
-        local_nodes=local_nodes,
-        progress=progress,
-    )
-    run_dir = prepare_run_dir(config, run_dir, resume=resume, overwrite=overwrite).resolve()
-    warn_if_cuda_initialised()
-    write_worker(config, run_dir)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    warn_pitfalls(config)
-    logger.info(
-        "launching %d node(s) x %d process(es); node 0 is the master and hosts the rendezvous at %s:%d",
-        nnodes,
-        nproc_per_node,
-        topology.master_addr,
-        topology.master_port,
-    )
-    # The run's lifetime is tied to this process: when it ends, however it ends, the
-    # pipe's write end closes and every agent stops its node (see agent.watch_lifeline).
-    lifeline_read, lifeline = open_lifeline()
-    child_env = _agent_env(config, len(nodes) * nproc_per_node, env)
-    child_env[LIFELINE_ENV] = str(lifeline_read)
-    procs: dict[int, subprocess.Popen] = {}
-    try:
-        for n in nodes:
-            procs[n] = _start_agent(run_dir, topology, n, child_env, lifeline_read)
-    except BaseException as e:  # an OSError, or Ctrl-C/SIGTERM before the Job exists
-        for proc in procs.values():
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing to save yet; its workers see EOF too
-        close_lifeline(lifeline)
-        if isinstance(e, OSError):
-            raise LaunchError(f"Could not start torchrun: {e}") from e
-        raise
-    finally:
-        os.close(lifeline_read)  # the agents hold it now
-    job = Job(run_dir, config, procs, topology, progress=progress, lifeline=lifeline)
-    return job.wait() if wait else job
-
-
-def _agent_env(
-    config: TrainConfig, procs_on_host: int, extra: Mapping[str, str] | None
-) -> dict[str, str]:
-    """The agents' environment: a copy of ours (never modified) plus the thread budget."""
-    env = dict(os.environ)
-    env.update(
-        {
-            "DDPNB_PROCS_ON_HOST": str(procs_on_host),
-            "OMP_NUM_THREADS": str(config.threads or threads_for_host(procs_on_host)),
-            "PYTHONUNBUFFERED": "1",
-            "DDPNB_LAUNCHED": "1",
-        }
-    )
-    if not config.thread_budget:  # pitfall: torch's default, one thread per core per process
-        del env["OMP_NUM_THREADS"]
-    env.update(extra or {})
-    return env
-
-
-def _start_agent(
-    run_dir: Path, topology: Topology, node: int, env: dict[str, str], lifeline_read: int
-) -> subprocess.Popen:
-    """Start node ``node``'s torchrun agent, its output appended to ``logs/node-N.log``."""
-    cmd = [
-        sys.executable,
-        str(AGENT),  # torchrun; binds a loopback rendezvous to loopback only
-        *topology.torchrun_args(node, log_dir=str(run_dir / "logs" / f"node-{node}")),
-        str(run_dir / WORKER_NAME),
-        "--config",
-        str(run_dir / "config.json"),
-    ]
-    with open(run_dir / "logs" / f"node-{node}.log", "ab") as log_file:
-        log_file.write(f"$ {shlex.join(cmd)}\n".encode())
-        log_file.flush()
-        return subprocess.Popen(
-            cmd,
-            cwd=run_dir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: we stop it as a whole
-            pass_fds=(lifeline_read,),
+        starter: Starter = Hosts(
+            hosts, ssh_config, ssh_options, python, remote_run_dir, master_port
         )
+        nnodes = len(hosts)
+    else:
+        if ssh_config is not None or ssh_options or python or remote_run_dir:
+            raise ConfigError(
+                "ssh_config, ssh_options, python and remote_run_dir need hosts=[...]."
+            )
+        nnodes = 2 if nnodes is None else nnodes
+    # The port is chosen by the backend's preflight; 1 is a placeholder until then.
+    topology = Topology(
+        nnodes, nproc_per_node, master_addr or "127.0.0.1", 1, rdzv_timeout, max_restarts
+    )
+    if hosts is None:
+        topology, nodes = check_launch(topology, master_port, local_nodes)
+        starter = Local(nodes)
+    return run(
+        what,
+        run_dir,
+        starter,
+        topology,
+        resume=resume,
+        overwrite=overwrite,
+        progress=progress,
+        env=env,
+        wait=wait,
+    )
+
+
+class Local:
+    """Simulated nodes: every node's torchrun agent on this machine, the store on loopback."""
+
+    data_here = True
+
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes = nodes  # the node ranks started here (checked, with the port, by launch)
+
+    def preflight(self, plan: Plan) -> Topology:
+        return plan.topology
+
+    def start(self, plan: Plan) -> Job:
+        topology, run_dir = plan.topology, plan.run_dir
+        logger.info(
+            "launching %d node(s) x %d process(es); node 0 is the master and hosts the "
+            "rendezvous at %s:%d",
+            topology.nnodes,
+            topology.nproc_per_node,
+            topology.master_addr,
+            topology.master_port,
+        )
+        nodes = Processes()
+        # The run's lifetime is tied to this process: when it ends, however it ends, the
+        # pipe's write end closes and every agent stops its node (see agent.watch_lifeline).
+        lifeline_read, nodes.lifeline = open_lifeline()
+        env = {
+            **os.environ,
+            **plan.node_env(str(run_dir), len(self.nodes) * topology.nproc_per_node),
+            LIFELINE_ENV: str(lifeline_read),
+        }
+        try:
+            for n in self.nodes:
+                cmd = [
+                    sys.executable,
+                    str(AGENT),  # torchrun; binds a loopback rendezvous to loopback only
+                    *topology.torchrun_args(n, log_dir=str(run_dir / "logs" / f"node-{n}")),
+                    *plan.script.command(str(run_dir)),
+                ]
+                nodes.start(
+                    n,
+                    cmd,
+                    run_dir / "logs" / f"node-{n}.log",
+                    shlex.join(cmd),
+                    cwd=run_dir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(lifeline_read,),
+                )
+        except BaseException as e:  # an OSError, or Ctrl-C/SIGTERM before the Job exists
+            nodes.kill_all()  # nothing to save yet; its workers see EOF too
+            if isinstance(e, OSError):
+                raise LaunchError(f"Could not start torchrun: {e}") from e
+            raise
+        finally:
+            os.close(lifeline_read)  # the agents hold it now
+        return Job(run_dir, plan.script, plan.config, topology, nodes, progress=plan.progress)
 
 
 def train_single(

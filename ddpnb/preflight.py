@@ -25,52 +25,38 @@ from .topology import Topology
 PROGRESS_MODES = ("auto", "widgets", "text", "none")
 
 
+def check_progress(progress: str) -> str:
+    if progress not in PROGRESS_MODES:
+        raise ConfigError("progress must be 'auto', 'widgets', 'text' or 'none'.")
+    return progress
+
+
 def check_launch(
-    config: TrainConfig | Mapping[str, Any],
-    *,
-    nnodes: int,
-    nproc_per_node: int,
-    master_addr: str,
-    master_port: int | None,
-    max_restarts: int,
-    rdzv_timeout: int,
-    local_nodes: Iterable[int] | None,
-    progress: str,
-) -> tuple[TrainConfig, Topology, list[int]]:
-    """Check a launch; return the config (absolute data_dir), the topology, the local nodes.
+    topology: Topology, master_port: int | None, local_nodes: Iterable[int] | None
+) -> tuple[Topology, list[int]]:
+    """Check simulated nodes; return the topology with its port, and the nodes started here.
 
     A ``master_port`` of None becomes a free port; a given one must be free on node 0.
-
-    >>> check_launch(cfg, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",  # doctest: +SKIP
-    ...              master_port=None, max_restarts=0, rdzv_timeout=60, local_nodes=None,
-    ...              progress="none")
     """
-    config = as_config(config)
-    # The port is checked below; a placeholder lets Topology check everything else first.
-    topology = Topology(nnodes, nproc_per_node, master_addr, 1, rdzv_timeout, max_restarts)
+    nnodes = topology.nnodes
     nodes = sorted(set(range(nnodes) if local_nodes is None else local_nodes))
     for n in nodes:
         if not isinstance(n, int) or not 0 <= n < nnodes:
             raise ConfigError(f"node_rank {n!r} must be in 0..{nnodes - 1} (node_rank < nnodes).")
-    config = check_run(config, topology, progress)
-    bind_host = loopback_bind_address(master_addr) or ""  # "": every interface, as the store
+    bind_host = loopback_bind_address(topology.master_addr) or ""  # "": every interface
     if master_port is None:
         master_port = free_port(bind_host)
     elif 0 in nodes:
         check_port_free(bind_host, master_port)
-    return config, dataclasses.replace(topology, master_port=master_port), nodes
+    return dataclasses.replace(topology, master_port=master_port), nodes
 
 
-def check_run(
-    config: TrainConfig, topology: Topology, progress: str, here: bool = True
-) -> TrainConfig:
-    """Check the progress mode, the dataset and the model; return the config, data_dir absolute.
+def check_run(config: TrainConfig, topology: Topology, here: bool = True) -> TrainConfig:
+    """Check the worker's dataset and model; return the config with data_dir absolute.
 
     ``here=False`` (real hosts): the dataset need not be on this machine, where it is
     not its path must be absolute, and the hosts' preflight checks it there.
     """
-    if progress not in PROGRESS_MODES:
-        raise ConfigError("progress must be 'auto', 'widgets', 'text' or 'none'.")
     data_dir = Path(config.data_dir)
     if here or data_dir.exists():
         data_dir = data_dir.resolve()

@@ -8,16 +8,16 @@ import sys
 import time
 from html import escape
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from .metrics import RunMetrics, read_jsonl, read_progress
 
 
-class Job(Protocol):
-    """What a display reads of a running job (``ddpnb.Job`` has it): no import of launch."""
+class Followed(Protocol):
+    """What a display reads of a running job (``ddpnb.Job`` has it): no import of job.py."""
 
     run_dir: Path
-    config: Any
+    epochs: int | None  # how many epochs the run trains, when it says
     error: BaseException | None
     started_at: float
     ended_at: float | None
@@ -31,6 +31,8 @@ class Job(Protocol):
     def metrics(self) -> RunMetrics: ...
 
     def node_status(self) -> dict[int, str]: ...
+
+    def last_line(self, node: int) -> str: ...
 
 
 PLOT_INTERVAL = 1.0  # seconds between live-plot redraws at most
@@ -96,7 +98,7 @@ def _live_frontend() -> bool:
     return is_jupyter_server(argv)
 
 
-def make_progress(mode: str, job: Job):
+def make_progress(mode: str, job: Followed):
     """The display for ``mode`` ('auto', 'widgets', 'text', 'none')."""
     mode = os.environ.get("DDPNB_PROGRESS", mode) if mode == "auto" else mode
     if mode == "auto":
@@ -113,21 +115,34 @@ class NoProgress:
     def update(self) -> None:
         pass
 
-    def close(self, job: Job) -> None:
+    def close(self, job: Followed) -> None:
         pass
 
 
-def _epoch_line(row: dict, epochs: int) -> str:
-    return (
-        f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  "
-        f"train_acc {row['train_acc']:.3f}  val_loss {row['val_loss']:.4f}  "
-        f"val_acc {row['val_acc']:.3f}  {row['images_per_second']:.0f} img/s  "
-        f"{row['epoch_seconds']:.1f} s"
-        + (f"  (restart {row['restart_count']})" if row.get("restart_count") else "")
-    )
+# How an epoch row's numbers print, in this order; a script may report any of them.
+EPOCH_FIELDS = (
+    ("train_loss", "train_loss {:.4f}"),
+    ("train_acc", "train_acc {:.3f}"),
+    ("val_loss", "val_loss {:.4f}"),
+    ("val_acc", "val_acc {:.3f}"),
+    ("images_per_second", "{:.0f} img/s"),
+    ("epoch_seconds", "{:.1f} s"),
+)
 
 
-def _start_line(job: Job) -> str:
+def _epoch_line(row: dict, epochs: int | None) -> str:
+    parts = [f"epoch {row.get('epoch', '?')}/{epochs or '?'}"]
+    parts += [fmt.format(row[k]) for k, fmt in EPOCH_FIELDS if isinstance(row.get(k), (int, float))]
+    known = {"epoch", "world_size", "restart_count", *(k for k, _ in EPOCH_FIELDS)}
+    parts += [f"{k} {v:.4g}" for k, v in row.items() if k not in known and type(v) in (int, float)][
+        :4
+    ]  # a script's own numbers; ddpnb's worker reports only the fields above first
+    if row.get("restart_count"):
+        parts.append(f"(restart {row['restart_count']})")
+    return "  ".join(parts)
+
+
+def _start_line(job: Followed) -> str:
     return (
         f"ddpnb: {job.nnodes} node(s) x {job.nproc_per_node} process(es) = world size "
         f"{job.world_size}; node 0 is the master and hosts the rendezvous at "
@@ -136,21 +151,21 @@ def _start_line(job: Job) -> str:
     )
 
 
-def _finish_line(job: Job) -> str:
+def _finish_line(job: Followed) -> str:
     seconds = (job.ended_at or time.time()) - job.started_at
     if isinstance(job.error, KeyboardInterrupt):  # the user's choice, not a failure
         return f"ddpnb: run interrupted after {seconds:.1f} s; every process of it was stopped"
     if job.error is not None:
         return f"ddpnb: run FAILED after {seconds:.1f} s ({type(job.error).__name__})"
     final = job.metrics.final
-    acc = f", final val_acc {final['val_acc']:.4f}" if final else ""
+    acc = f", final val_acc {final['val_acc']:.4f}" if "val_acc" in final else ""
     return f"ddpnb: run finished in {seconds:.1f} s{acc}"
 
 
 class TextProgress:
     """A start line, a line per epoch, a finish line."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Followed) -> None:
         self.job = job
         self.printed = 0
         print(_start_line(job), flush=True)
@@ -158,10 +173,10 @@ class TextProgress:
     def update(self) -> None:
         rows = read_jsonl(self.job.run_dir / "metrics.jsonl")
         for row in rows[self.printed :]:
-            print(_epoch_line(row, self.job.config.epochs), flush=True)
+            print(_epoch_line(row, self.job.epochs), flush=True)
         self.printed = max(self.printed, len(rows))
 
-    def close(self, job: Job) -> None:
+    def close(self, job: Followed) -> None:
         self.update()
         print(_finish_line(job), flush=True)
 
@@ -169,7 +184,7 @@ class TextProgress:
 class WidgetProgress:
     """One row per node, epoch and step bars, and a live loss/accuracy plot."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Followed) -> None:
         import ipywidgets as w
         from IPython.display import display
 
@@ -185,7 +200,7 @@ class WidgetProgress:
         self.epoch_bar = w.IntProgress(
             value=0,
             min=0,
-            max=job.config.epochs,
+            max=job.epochs or 1,
             description="epoch",
             bar_style="info",
             layout=bar_layout,
@@ -236,11 +251,13 @@ class WidgetProgress:
             hosts = getattr(self.job, "hosts", None)  # real hosts (SSH): name each node's
             if hosts:
                 role = f" on {escape(hosts[n])}{role}"
+            last = escape(self.job.last_line(n)[-120:])
             html = (
                 f"<span style='display:inline-block;min-width:5.5em'>node {n}</span> "
                 f"<span style='background:{color};color:white;border-radius:3px;padding:0 6px;"
                 f"display:inline-block;min-width:5em;text-align:center'>{state}</span> "
                 f"<span style='opacity:0.8'>ranks {ranks.start}-{ranks.stop - 1}{role}</span>"
+                f"<br><code class='ddpnb-last-line' style='opacity:0.7;font-size:85%'>{last}</code>"
             )
             if self.node_rows[n].value != html:
                 self.node_rows[n].value = html
@@ -249,7 +266,8 @@ class WidgetProgress:
         self._set_nodes()
         prog = read_progress(self.job.run_dir)
         rows = read_jsonl(self.job.run_dir / "metrics.jsonl")
-        if prog.get("phase") in ("train", "done"):
+        if prog.get("phase") in ("train", "done") and "steps" in prog:
+            self.epoch_bar.max = max(1, self.job.epochs or prog.get("epochs") or 1)
             self.step_bar.max = max(1, prog["steps"])
             self.step_bar.value = prog["step"]
             self.epoch_bar.value = len(rows)
@@ -267,26 +285,35 @@ class WidgetProgress:
     def _render(self, rows: list[dict]) -> bytes:
         from matplotlib.figure import Figure
 
+        from .plot import label_log_axis
+
         fig = Figure(figsize=(7.2, 2.6), layout="constrained")
         ax_loss, ax_acc = fig.subplots(1, 2)
-        ep = [r["epoch"] for r in rows]
-        # Markers on both: after the first epoch a line alone would show nothing.
-        ax_loss.plot(ep, [r["train_loss"] for r in rows], "--o", ms=3, label="train")
-        ax_loss.plot(ep, [r["val_loss"] for r in rows], "-o", ms=3, label="val")
-        ax_acc.plot(ep, [r["train_acc"] for r in rows], "--o", ms=3, label="train")
-        ax_acc.plot(ep, [r["val_acc"] for r in rows], "-o", ms=3, label="val")
+        # Markers on both: after the first epoch a line alone would show nothing. A script
+        # reports what it has: each curve is drawn from the epochs that hold its number.
+        for ax, key, style, label in (
+            (ax_loss, "train_loss", "--o", "train"),
+            (ax_loss, "val_loss", "-o", "val"),
+            (ax_acc, "train_acc", "--o", "train"),
+            (ax_acc, "val_acc", "-o", "val"),
+        ):
+            points = [(r["epoch"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if points:
+                ax.plot(*zip(*points), style, ms=3, label=label)
         # Log scale, as in plot_curves: an early loss of 1000 would flatten the rest.
         ax_loss.set(title="loss (log)", xlabel="epoch", yscale="log")
+        label_log_axis(ax_loss)  # 2 and 5 labelled too: a curve near 2 has a number beside it
         ax_acc.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
         for ax in (ax_loss, ax_acc):
-            ax.set_xlim(0.5, max(self.job.config.epochs, 1) + 0.5)
+            ax.set_xlim(0.5, max(self.job.epochs or len(rows), 1) + 0.5)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.lines:
+                ax.legend(fontsize=8)
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=90)
         return buf.getvalue()
 
-    def close(self, job: Job) -> None:
+    def close(self, job: Followed) -> None:
         self.last_plot = 0.0
         self.update()
         done = job.error is None

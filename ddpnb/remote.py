@@ -1,11 +1,12 @@
 """Launching on real hosts over SSH: one ``torchrun`` per host, followed from here.
 
 Before anything starts, every host is probed in parallel (reachable, logs in, has the
-interpreter with torch and torchvision, holds the same dataset as node 0; node 0's port
-is free). A host that sees this machine's run directory (a shared filesystem) uses it
-as it is; any other gets ``train_ddp.py`` and ``config.json`` copied to the same path
-(or ``remote_run_dir``), and its results are brought back when the run ends. Node 0's
-progress is copied here while it runs, so the panel and the plots work unchanged.
+interpreter with torch and torchvision, holds the same dataset as node 0 when the run is
+ddpnb's worker; node 0's port is free). A host that sees this machine's run directory (a
+shared filesystem) uses it as it is; any other gets the script and its files copied to
+the same path (or ``remote_run_dir``), and its results are brought back when the run
+ends: node 0's whole run directory (what the script wrote there), every node's logs.
+Node 0's progress is copied here while it runs, so the panel and the plots work unchanged.
 
 Each host's agent reads its SSH session's input as its lifeline: the local ``ssh``
 client's input is the read end of the launcher's pipe. When the launcher ends, or the
@@ -14,6 +15,7 @@ connection does, the agent sees end-of-file and stops its node (see ddpnb.agent)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import shlex
@@ -27,13 +29,14 @@ from pathlib import Path
 
 from .agent import LIFELINE_ENV
 from .config import TrainConfig
-from .constants import threads_for_host
 from .diagnosis import log_tail, resume_hint
 from .errors import ConfigError, HostError, LaunchError, NodeLost, RunFailed
-from .job import Job, close_lifeline, open_lifeline
+from .job import Job, Processes, open_lifeline
 from .log import logger
-from .preflight import as_config, check_run, warn_pitfalls
-from .rundir import PRODUCTS, WORKER_NAME, prepare_run_dir, write_worker
+from .plan import Plan
+from .preflight import as_config, check_run
+from .rundir import PRODUCTS
+from .script import Script
 from .ssh import (
     SSH_FAILED,
     Host,
@@ -49,6 +52,7 @@ from .ssh import (
 from .topology import Topology
 
 AGENT = Path(__file__).with_name("agent.py")
+REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace (5 s)
 SYNC_SECONDS = 2.0  # how often node 0's progress is copied here (one SSH login each)
 # torch.distributed's and the backends' own settings travel from this machine's
 # environment to the hosts (NCCL_SOCKET_IFNAME, NCCL_DEBUG, GLOO_SOCKET_IFNAME, ...).
@@ -74,24 +78,116 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
-class RemoteNodes:
-    """The hosts of a running Job: their files, brought here, and their failures, named."""
+class Hosts:
+    """The SSH backend: one host per node, each running its torchrun agent over ``ssh``.
+
+    Starting differs from simulated nodes only in the command (``ssh ... python agent``)
+    and in the files: hosts that do not see this machine's run directory get the
+    script's files copied, and their results are brought back.
+    """
+
+    data_here = False
 
     def __init__(
         self,
-        ssh: Ssh,
-        hosts: list[Host],
-        python: str,
-        dirs: list[str],
-        shared: list[bool],
-        run_dir: Path,
+        hosts: Sequence[str],
+        ssh_config: str | os.PathLike | None,
+        ssh_options: Sequence[str],
+        python: str | None,
+        remote_run_dir: str | None,
+        master_port: int | None,
     ) -> None:
-        self.ssh, self._hosts, self.python = ssh, hosts, python
-        self.dirs, self.shared, self.run_dir = dirs, shared, run_dir
-        self.hosts = [h.spec for h in hosts]
-        ckpt = f"{dirs[0]}/checkpoints"
-        self.checkpoint_dir = ckpt if shared[0] else f"{hosts[0].spec}:{ckpt}"
+        self.parsed = parse_hosts(hosts)
+        self.ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
+        self.python = python or sys.executable
+        if remote_run_dir is not None and not str(remote_run_dir).startswith("/"):
+            raise ConfigError(
+                f"remote_run_dir must be an absolute path on the hosts, got {remote_run_dir!r}."
+            )
+        self.remote_run_dir = remote_run_dir
+        self.master_port = master_port
+
+    def preflight(self, plan) -> Topology:
+        """Probe every host (login, interpreter, torch, data, node 0's port); nothing starts."""
+        config = plan.config
+        probes = _preflight(
+            self.ssh,
+            self.parsed,
+            self.python,
+            config.data_dir if config is not None else None,
+            plan.run_dir,
+            plan.topology.nproc_per_node,
+            self.master_port,
+            gpus=config is not None and config.backend == "nccl",
+        )
+        self.shared = [p.report["shared"] for p in probes]
+        self.cpus = [p.report["cpus"] for p in probes]
+        run_dir = str(plan.run_dir)
+        self.dirs = [run_dir if s else str(self.remote_run_dir or run_dir) for s in self.shared]
+        names = list(plan.script.payload())
+        _check_remote_dirs(self.ssh, self.parsed, self.python, self.dirs, self.shared, names, plan)
+        addr = plan.topology.master_addr
+        master_addr = addr if addr != "127.0.0.1" else self.ssh.hostname(self.parsed[0])
+        return dataclasses.replace(
+            plan.topology, master_addr=master_addr, master_port=probes[0].report["port"]
+        )
+
+    def start(self, plan) -> Job:
+        topology, run_dir, payload = plan.topology, plan.run_dir, plan.script.payload()
+        todo = [n for n, s in enumerate(self.shared) if not s]
+        with ThreadPoolExecutor(max_workers=len(self.parsed)) as pool:
+            for _ in pool.map(
+                lambda n: push(self.ssh, self.parsed[n], self.python, self.dirs[n], payload), todo
+            ):
+                pass
+        logger.info(
+            "launching %d host(s) x %d process(es) over SSH; node 0 (%s) hosts the rendezvous "
+            "at %s:%d",
+            topology.nnodes,
+            topology.nproc_per_node,
+            self.parsed[0].spec,
+            topology.master_addr,
+            topology.master_port,
+        )
+        nodes = SshNodes(self, run_dir)
+        lifeline_read, nodes.lifeline = open_lifeline()
+        try:
+            for n, host in enumerate(self.parsed):
+                env = plan.node_env(self.dirs[n], topology.nproc_per_node, self.cpus[n])
+                env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **env}
+                cmd, shown = agent_command(
+                    self.ssh, host, self.python, self.dirs[n], topology, n, env, plan.script
+                )
+                # ssh forwards its input's EOF: the host's agent then stops its node.
+                nodes.start(n, cmd, run_dir / "logs" / f"node-{n}.log", shown,
+                            stdin=lifeline_read, env=dict(os.environ))  # fmt: skip
+        except BaseException as e:
+            nodes.kill_all()  # each host's agent sees its session end, and stops
+            if isinstance(e, OSError):
+                raise LaunchError(f"Could not start ssh: {e}") from e
+            raise
+        finally:
+            os.close(lifeline_read)
+        return Job(run_dir, plan.script, plan.config, topology, nodes, progress=plan.progress)
+
+
+class SshNodes(Processes):
+    """The running nodes of SSH hosts: ssh clients here, files brought here, failures named."""
+
+    def __init__(self, hosts: Hosts, run_dir: Path) -> None:
+        super().__init__()
+        self._hosts, self.ssh, self.python = hosts.parsed, hosts.ssh, hosts.python
+        self.dirs, self.shared, self.run_dir = hosts.dirs, hosts.shared, run_dir
+        self.hosts = [h.spec for h in hosts.parsed]
         self._synced = 0.0
+
+    def stop(self) -> None:
+        """Cut the lifeline first: each host's agent stops its node there; then the clients."""
+        self.cut_lifeline()
+        deadline = time.monotonic() + REMOTE_STOP_SECONDS
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+            time.sleep(0.05)
+        super().stop()
 
     def sync(self) -> None:
         if self.shared[0] or time.monotonic() - self._synced < SYNC_SECONDS:
@@ -108,12 +204,12 @@ class RemoteNodes:
         )
 
     def fetch(self) -> None:
+        """Node 0's whole run directory (what the script wrote), every node's ranks and logs."""
+
         def one(n: int) -> None:
-            names = ["ranks", f"logs/node-{n}"]
-            if n == 0:
-                names += ["metrics.jsonl", "progress.json", "effective_config.json"]
+            names = ["."] if n == 0 else ["ranks", f"logs/node-{n}"]
             if not pull(
-                self.ssh, self._hosts[n], self.python, self.dirs[n], names, self.run_dir, timeout=20
+                self.ssh, self._hosts[n], self.python, self.dirs[n], names, self.run_dir, timeout=60
             ):
                 logger.warning(
                     "could not copy the results of node %d back from %s", n, self.hosts[n]
@@ -142,104 +238,15 @@ class RemoteNodes:
         return error
 
 
-def launch_on_hosts(
-    config: TrainConfig | Mapping,
-    run_dir: str | os.PathLike,
-    hosts: Sequence[str],
-    *,
-    nproc_per_node: int = 1,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    max_restarts: int = 0,
-    rdzv_timeout: int = 60,
-    wait: bool = True,
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: str = "auto",
-    env: Mapping[str, str] | None = None,
-    ssh_config: str | os.PathLike | None = None,
-    ssh_options: Sequence[str] = (),
-    python: str | None = None,
-    remote_run_dir: str | None = None,
-) -> Job:
-    """:func:`ddpnb.launch` with ``hosts=``: one torchrun per host, started over SSH."""
-    parsed = parse_hosts(hosts)
-    ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
-    python = python or sys.executable
-    if remote_run_dir is not None and not str(remote_run_dir).startswith("/"):
-        raise ConfigError(
-            f"remote_run_dir must be an absolute path on the hosts, got {remote_run_dir!r}."
-        )
-    config = as_config(config)
-    checked = Topology(
-        len(parsed), nproc_per_node, "hosts", master_port or 1, rdzv_timeout, max_restarts
-    )
-    config = check_run(config, checked, progress, here=False)
-    run_dir = prepare_run_dir(config, run_dir, resume=resume, overwrite=overwrite).resolve()
-    probes = _preflight(ssh, parsed, python, config, run_dir, nproc_per_node, master_port)
-    shared = [p.report["shared"] for p in probes]
-    port, cpus = probes[0].report["port"], [p.report["cpus"] for p in probes]
-    dirs = [str(run_dir) if s else str(remote_run_dir or run_dir) for s in shared]
-    _check_remote_dirs(ssh, parsed, python, dirs, shared, resume, overwrite)
-    topology = Topology(
-        len(parsed),
-        nproc_per_node,
-        master_addr or ssh.hostname(parsed[0]),
-        port,
-        rdzv_timeout,
-        max_restarts,
-    )
-    warn_pitfalls(config)
-    write_worker(config, run_dir)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    files = {
-        WORKER_NAME: (run_dir / WORKER_NAME).read_bytes(),
-        "config.json": (run_dir / "config.json").read_bytes(),
-    }
-    with ThreadPoolExecutor(max_workers=len(parsed)) as pool:
-        list(
-            pool.map(
-                lambda n: push(ssh, parsed[n], python, dirs[n], files),
-                [n for n, s in enumerate(shared) if not s],
-            )
-        )
-    logger.info(
-        "launching %d host(s) x %d process(es) over SSH; node 0 (%s) hosts the rendezvous at %s:%d",
-        len(parsed),
-        nproc_per_node,
-        parsed[0].spec,
-        topology.master_addr,
-        topology.master_port,
-    )
-    lifeline_read, lifeline = open_lifeline()
-    procs: dict[int, subprocess.Popen] = {}
-    try:
-        for n, host in enumerate(parsed):
-            node_env = _host_env(config, nproc_per_node, cpus[n], env)
-            cmd, shown = agent_command(ssh, host, python, dirs[n], topology, n, node_env)
-            procs[n] = _start_ssh_agent(cmd, shown, n, lifeline_read, run_dir)
-    except BaseException as e:
-        for proc in procs.values():
-            os.killpg(proc.pid, 9)  # its host's agent sees its session end, and stops
-        close_lifeline(lifeline)
-        if isinstance(e, OSError):
-            raise LaunchError(f"Could not start ssh: {e}") from e
-        raise
-    finally:
-        os.close(lifeline_read)
-    remote = RemoteNodes(ssh, parsed, python, dirs, shared, run_dir)
-    job = Job(run_dir, config, procs, topology, progress=progress, lifeline=lifeline, remote=remote)
-    return job.wait() if wait else job
-
-
 def _preflight(
     ssh: Ssh,
     hosts: list[Host],
     python: str,
-    config: TrainConfig,
+    data_dir: str | None,
     run_dir: Path,
     nproc: int,
     port: int | None,
+    gpus: bool = False,
 ) -> list[Probe]:
     """Probe every host; each report says if it sees run_dir (``shared``); node 0's has the port."""
     token = secrets.token_hex(8)
@@ -250,29 +257,22 @@ def _preflight(
             ssh,
             hosts,
             python,
-            data_dir=config.data_dir,
+            data_dir=data_dir,
             run_dir=str(run_dir),
             marker=marker,
-            products=PRODUCTS,
             port=port or 0,
-            gpus=config.backend == "nccl",
+            gpus=gpus,
         )
     finally:
         (run_dir / marker).unlink()
-    check_probes(
-        probes,
-        data_dir=config.data_dir,
-        nproc_per_node=nproc,
-        gpus=config.backend == "nccl",
-        port=port,
-    )
+    check_probes(probes, data_dir=data_dir, nproc_per_node=nproc, gpus=gpus, port=port)
     for p in probes:
         p.report["shared"] = p.report["marker"] == token
     return probes
 
 
 def check_hosts(
-    config: TrainConfig | Mapping,
+    config: TrainConfig | Mapping | None,
     hosts: Sequence[str],
     nproc_per_node: int = 1,
     run_dir: str | os.PathLike | None = None,
@@ -282,8 +282,10 @@ def check_hosts(
 ) -> list[dict]:
     """The preflight of ``launch(hosts=...)``, starting nothing: one row per host.
 
-    Raises :class:`~ddpnb.errors.HostError` naming every host that cannot run the job.
-    With ``run_dir`` (an existing folder here) each row says whether that host sees it.
+    ``config``: the worker's TrainConfig (its dataset is checked on every host), or
+    None for your own script. Raises :class:`~ddpnb.errors.HostError` naming every
+    host that cannot run the job. With ``run_dir`` (an existing folder here) each row
+    says whether that host sees it.
 
     Example
     -------
@@ -293,14 +295,17 @@ def check_hosts(
     parsed = parse_hosts(hosts)
     ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
     python = python or sys.executable
-    config = as_config(config)
-    config = check_run(
-        config, Topology(len(parsed), nproc_per_node, "hosts", 1), "none", here=False
-    )
+    data_dir = None
+    if config is not None:
+        config = check_run(
+            as_config(config), Topology(len(parsed), nproc_per_node, "hosts", 1), here=False
+        )
+        data_dir = config.data_dir
     folder = Path(run_dir) if run_dir is not None else None
     if folder is None or not folder.is_dir():
         folder = Path(tempfile.mkdtemp(prefix="ddpnb-check-"))  # no host sees a fresh folder here
-    probes = _preflight(ssh, parsed, python, config, folder, nproc_per_node, None)
+    gpus = config is not None and config.backend == "nccl"
+    probes = _preflight(ssh, parsed, python, data_dir, folder, nproc_per_node, None, gpus)
     if run_dir is None or folder != Path(run_dir):
         folder.rmdir()
     keys = ("hostname", "python", "torch", "torchvision", "cpus", "gpus")
@@ -310,7 +315,7 @@ def check_hosts(
             "host": p.host.spec,
             "address": ssh.hostname(p.host),
             **{k: p.report.get(k) for k in keys},
-            "dataset": p.report["fingerprint"][:12],
+            "dataset": (p.report["fingerprint"] or "")[:12] or None,
             "sees_run_dir": p.report["shared"] if run_dir is not None else None,
         }
         for n, p in enumerate(probes)
@@ -323,15 +328,15 @@ def _check_remote_dirs(
     python: str,
     dirs: list[str],
     shared: list[bool],
-    resume: bool,
-    overwrite: bool,
+    names: list[str],
+    plan,
 ) -> None:
     """A host's own copy of the run directory follows the same rules as the local one."""
-    # The probe listed what each host holds at run_dir; remote_run_dir may differ from it.
+    resume, overwrite = plan.resume, plan.overwrite
     for n, host in enumerate(hosts):
         if shared[n]:
             continue
-        held = _remote_products(ssh, host, python, dirs[n])
+        held = _remote_products(ssh, host, python, dirs[n], names)
         if held and not (resume or overwrite):
             raise HostError(
                 f"{host.spec}:{dirs[n]} already holds a run (found {', '.join(held)}). Nothing was "
@@ -346,9 +351,11 @@ def _check_remote_dirs(
             )
 
 
-def _remote_products(ssh: Ssh, host: Host, python: str, remote_dir: str) -> list[str]:
+def _remote_products(
+    ssh: Ssh, host: Host, python: str, remote_dir: str, names: Sequence[str]
+) -> list[str]:
     code = "import os, sys; print(' '.join(p for p in sys.argv[2:] if os.path.exists(os.path.join(sys.argv[1], p))))"
-    cmd = ssh.command(host, remote_line([python, "-c", code, remote_dir, *PRODUCTS]))
+    cmd = ssh.command(host, remote_line([python, "-c", code, remote_dir, *PRODUCTS, *names]))
     out = subprocess.run(
         cmd,
         capture_output=True,
@@ -360,23 +367,6 @@ def _remote_products(ssh: Ssh, host: Host, python: str, remote_dir: str) -> list
     return out.stdout.split()
 
 
-def _host_env(
-    config: TrainConfig, nproc: int, cores: int, extra: Mapping[str, str] | None
-) -> dict[str, str]:
-    """A host's agent environment: the host's own, plus the run's settings (never ours)."""
-    env = {
-        "DDPNB_PROCS_ON_HOST": str(nproc),
-        "PYTHONUNBUFFERED": "1",
-        "DDPNB_LAUNCHED": "1",
-        LIFELINE_ENV: "0",  # the SSH session's input: EOF when the launcher or the link ends
-        **forwarded_env(os.environ),
-    }
-    if config.threads or config.thread_budget:
-        env["OMP_NUM_THREADS"] = str(config.threads or threads_for_host(nproc, cores))
-    env.update(extra or {})
-    return env
-
-
 def agent_command(
     ssh: Ssh,
     host: Host,
@@ -385,6 +375,7 @@ def agent_command(
     topology: Topology,
     node: int,
     env: dict[str, str],
+    script: Script,
 ) -> tuple[list[str], str]:
     """The ssh command that runs node ``node``'s agent on ``host``, and how to show it.
 
@@ -393,9 +384,7 @@ def agent_command(
     """
     torchrun = [
         *topology.torchrun_args(node, log_dir=f"{remote_dir}/logs/node-{node}"),
-        f"{remote_dir}/{WORKER_NAME}",
-        "--config",
-        f"{remote_dir}/config.json",
+        *script.command(remote_dir),
     ]
     remote = remote_line([python, "-c", AGENT.read_text(), *torchrun], cwd=remote_dir, env=env)
     cmd = ssh.command(host, remote)
@@ -405,7 +394,7 @@ def agent_command(
 
 
 def ssh_commands(
-    config: TrainConfig | Mapping,
+    what: Script | TrainConfig | Mapping,
     run_dir: str | os.PathLike,
     hosts: Sequence[str],
     nproc_per_node: int = 1,
@@ -424,31 +413,14 @@ def ssh_commands(
     >>> ssh_commands(TrainConfig(), "/shared/run", ["gpu1", "gpu2"])[1]   # doctest: +SKIP
     "ssh -o BatchMode=yes ... -T -- gpu2 'cd /shared/run && exec env ... --node_rank=1 ...'"
     """
-    config = as_config(config)
     parsed = parse_hosts(hosts)
     ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
     python = python or sys.executable
     topology = Topology(len(parsed), nproc_per_node, ssh.hostname(parsed[0]), master_port)
-    env = _host_env(config, nproc_per_node, None, None)
+    plan = Plan(what, topology, progress="none", env=None)
+    env = {LIFELINE_ENV: "0", **plan.node_env(str(run_dir), nproc_per_node)}
     env.pop("OMP_NUM_THREADS", None)  # each host's own share of its cores, known at launch
     return [
-        agent_command(ssh, host, python, str(run_dir), topology, n, env)[1]
+        agent_command(ssh, host, python, str(run_dir), topology, n, env, plan.script)[1]
         for n, host in enumerate(parsed)
     ]
-
-
-def _start_ssh_agent(
-    cmd: list[str], shown: str, node: int, lifeline_read: int, run_dir: Path
-) -> subprocess.Popen:
-    """Run ``cmd`` (from :func:`agent_command`), its output streamed to logs/node-N.log."""
-    with open(run_dir / "logs" / f"node-{node}.log", "ab") as log_file:
-        log_file.write(f"$ {shown}\n".encode())
-        log_file.flush()
-        return subprocess.Popen(
-            cmd,
-            stdin=lifeline_read,  # ssh forwards its EOF: the host's agent then stops its node
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=dict(os.environ),
-        )

@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from .config import TrainConfig
 from .constants import RESUMABLE_KEYS
 from .errors import RunDirError
-from .source import WORKER_PATH
+from .script import worker_script
 
 WORKER_NAME = "train_ddp.py"
-# Everything a run writes; overwrite=True removes exactly these and nothing else.
+# What every run writes besides its script's files; overwrite=True removes exactly these,
+# the script's files and nothing else (what the script wrote itself stays).
 PRODUCTS = (
-    "config.json",
-    WORKER_NAME,
     "metrics.jsonl",
     "progress.json",
     "effective_config.json",
@@ -27,9 +27,10 @@ PRODUCTS = (
 
 
 def write_worker(config: TrainConfig, run_dir: str | os.PathLike) -> Path:
-    """Write ``run_dir/train_ddp.py`` (a byte copy of ``ddpnb/worker.py``) and ``config.json``.
+    """Write ``run_dir/train_ddp.py`` (a byte copy of ``ddpnb/worker.py``), ``config.json``
+    and the reporting file the worker imports (``ddpnb_reporting.py``).
 
-    The pair runs anywhere torch is installed:
+    The folder runs anywhere torch is installed:
     ``torchrun --nproc_per_node 2 train_ddp.py --config config.json``.
 
     Example
@@ -39,20 +40,22 @@ def write_worker(config: TrainConfig, run_dir: str | os.PathLike) -> Path:
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    target = run_dir / WORKER_NAME
-    shutil.copyfile(WORKER_PATH, target)
-    config.save(run_dir / "config.json")
-    return target
+    for name, data in worker_script(config).payload().items():
+        (run_dir / name).write_bytes(data)
+    return run_dir / WORKER_NAME
 
 
-def existing_run(run_dir: Path) -> list[str]:
-    """Names of run products already in run_dir."""
-    return [p for p in PRODUCTS if (run_dir / p).exists()] if run_dir.is_dir() else []
+def existing_run(run_dir: Path, names: Iterable[str] = ()) -> list[str]:
+    """Names of run products (and of the script's files, ``names``) already in run_dir."""
+    if not run_dir.is_dir():
+        return []
+    return [p for p in (*names, *PRODUCTS) if (run_dir / p).exists()]
 
 
 def prepare_run_dir(
-    config: TrainConfig,
     run_dir: str | os.PathLike,
+    payload: Mapping[str, bytes],
+    config: TrainConfig | None = None,
     *,
     resume: bool = False,
     overwrite: bool = False,
@@ -60,12 +63,25 @@ def prepare_run_dir(
     """Apply the run-directory rules before anything is written.
 
     A directory holding a run raises :class:`RunDirError` unless ``resume`` (same
-    config, continue from its checkpoint) or ``overwrite`` (remove its products).
+    script and config, continue from its checkpoint) or ``overwrite`` (remove its
+    products and the script's files; what the script wrote itself stays).
     """
     run_dir = Path(run_dir)
     if resume and overwrite:
         raise RunDirError("Pass either resume=True or overwrite=True, not both.")
-    found = existing_run(run_dir)
+    found = existing_run(run_dir, payload)
+    if "logs" not in found and "metrics.jsonl" not in found and config is None:
+        found = [n for n in found if n not in payload]  # the user's own files, not a run
+        clash = [
+            n
+            for n in payload
+            if (run_dir / n).is_file() and (run_dir / n).read_bytes() != payload[n]
+        ]
+        if clash:
+            raise RunDirError(
+                f"{run_dir} holds other files named {', '.join(clash)}: the run would overwrite "
+                "them with the script's. Nothing was changed. Choose another run_dir, or move them."
+            )
     if found and not (resume or overwrite):
         done = _epochs_done(run_dir)
         raise RunDirError(
@@ -73,21 +89,8 @@ def prepare_run_dir(
             "Nothing was changed. Pass resume=True (CLI: --resume) to continue it from its "
             "checkpoint, overwrite=True (CLI: --overwrite) to replace it, or choose another run_dir."
         )
-    if resume and (run_dir / "config.json").exists():
-        try:
-            old = json.loads((run_dir / "config.json").read_text())
-        except ValueError:
-            old = {}
-        new = config.to_dict()
-        # A run written before a field existed ran with that field's default.
-        before = {**TrainConfig().to_dict(), **old}
-        changed = sorted(k for k in new if k not in RESUMABLE_KEYS and before.get(k) != new[k])
-        if changed:
-            raise RunDirError(
-                f"{run_dir} holds a run with a different config (differs in: {', '.join(changed)}). "
-                "Resume with the same settings (only epochs, timeouts and comm settings may "
-                "change), or pass overwrite=True to replace that run, or choose another run_dir."
-            )
+    if resume and config is not None and (run_dir / "config.json").exists():
+        _check_same_config(run_dir, config)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".ddpnb-write-test-{os.getpid()}"
@@ -103,6 +106,23 @@ def prepare_run_dir(
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     return run_dir
+
+
+def _check_same_config(run_dir: Path, config: TrainConfig) -> None:
+    try:
+        old = json.loads((run_dir / "config.json").read_text())
+    except ValueError:
+        old = {}
+    new = config.to_dict()
+    # A run written before a field existed ran with that field's default.
+    before = {**TrainConfig().to_dict(), **old}
+    changed = sorted(k for k in new if k not in RESUMABLE_KEYS and before.get(k) != new[k])
+    if changed:
+        raise RunDirError(
+            f"{run_dir} holds a run with a different config (differs in: {', '.join(changed)}). "
+            "Resume with the same settings (only epochs, timeouts and comm settings may "
+            "change), or pass overwrite=True to replace that run, or choose another run_dir."
+        )
 
 
 def _epochs_done(run_dir: Path) -> int:

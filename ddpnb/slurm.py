@@ -29,13 +29,23 @@ from typing import Any
 
 from .cluster import slurm_script
 from .config import TrainConfig
-from .diagnosis import SECONDARY_ERRORS, log_tail, read_error_file, resume_hint
-from .errors import ConfigError, LaunchError, RunFailed, WorkerFailed
+from .diagnosis import failed_ranks, log_tail, resume_hint
+from .errors import (
+    ConfigError,
+    LaunchError,
+    RunDirNotShared,
+    RunFailed,
+    SlurmError,
+    SlurmJobEnded,
+    SlurmRequestError,
+)
+from .job import Job
+from .launch import run
 from .log import logger
-from .metrics import RunMetrics, load_metrics, read_progress
-from .preflight import as_config, check_run, warn_pitfalls
-from .progress import make_progress
-from .rundir import prepare_run_dir, write_worker
+from .metrics import read_progress
+from .preflight import check_progress
+from .rundir import WORKER_NAME
+from .script import Script
 from .topology import Topology
 
 POLL_SECONDS = 2.0  # between questions to slurmctld: a shared service, asked gently
@@ -71,32 +81,6 @@ ENDED_HINTS = {
     "DEADLINE": "it reached its --deadline",
     "BOOT_FAIL": "a node failed to boot: submit again with resume=True",
 }
-
-
-class SlurmError(LaunchError):
-    """Slurm cannot be used from here (no ``sbatch``), or one of its commands failed."""
-
-
-class SlurmRequestError(ConfigError):
-    """The job asks for what the cluster does not have (partition, nodes, GPUs)."""
-
-
-class SlurmJobEnded(RunFailed):
-    """Slurm ended the job before the run finished: time limit, node failure, cancelled.
-
-    ``state`` is Slurm's job state (``TIMEOUT``, ``NODE_FAIL``, ``CANCELLED``,
-    ``PREEMPTED``, ...), ``reason`` Slurm's reason, ``job_id`` the job.
-    """
-
-    def __init__(self, message: str, *, state: str, reason: str, job_id: str, **kw: Any) -> None:
-        self.state = state
-        self.reason = reason
-        self.job_id = job_id
-        super().__init__(message, **kw)
-
-
-class RunDirNotShared(RunFailed):
-    """A node of the job could not see the run directory: it is not on a shared filesystem."""
 
 
 # -- talking to Slurm ----------------------------------------------------------------------
@@ -278,48 +262,27 @@ def _timestamp(text: str) -> float | None:
         return None
 
 
-class SlurmJob:
-    """A submitted batch job, followed like a :class:`ddpnb.Job`.
+class SlurmNodes:
+    """The Slurm backend of a :class:`~ddpnb.Job`: the nodes of one batch job.
 
-    Returned by :func:`submit_slurm` and :func:`attach`. ``wait()`` follows it to the
-    end (raising :class:`~ddpnb.errors.WorkerFailed` or :class:`SlurmJobEnded`),
-    ``stop()`` cancels it with ``scancel``. ``node_status()`` gives each node's state,
-    ``pending (Resources)`` while Slurm has not started the job.
+    Slurm is asked how they are (``scontrol``, at most every POLL_SECONDS), ``stop()``
+    is ``scancel`` until Slurm reports the end. The run directory is shared, so no file
+    moves. Attributes a Job forwards: ``job_id``, ``state``, ``slurm_state()``,
+    ``batch_log()``.
     """
 
-    def __init__(
-        self,
-        run_dir: Path,
-        config: TrainConfig,
-        job_id: str,
-        nnodes: int,
-        nproc_per_node: int,
-        *,
-        master_port: int | None = None,
-        progress: str = "none",
-        submitted_at: float | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.run_dir = Path(run_dir)
-        self.config = config
-        self.job_id = str(job_id)
-        self.nnodes = nnodes
-        self.nproc_per_node = nproc_per_node
-        self.world_size = nnodes * nproc_per_node
-        self.master_addr = FIRST_NODE  # the allocation's first node, known once it runs
-        self.master_port = master_port or port_for_job(self.job_id)
-        self.progress_mode = progress
-        self.started_at = submitted_at or time.time()
-        self.ended_at: float | None = None
-        self.error: BaseException | None = None
-        self.env = dict(env or _slurm_env())
-        self.log_paths = {n: self.run_dir / "logs" / f"node-{n}.log" for n in range(nnodes)}
-        self.script_path = self.run_dir / SCRIPT_NAME
+    hosts = None
+    watch_stalls = False  # a queued job is silent for as long as Slurm makes it wait
+    outlives_launcher = True  # a batch job belongs to the cluster, not to this process
+    procs: dict = {}
+
+    def __init__(self, run_dir: Path, job_id: str, nnodes: int, env: Mapping[str, str]) -> None:
+        self.run_dir, self.job_id, self.nnodes = Path(run_dir), str(job_id), nnodes
+        self.env = dict(env)
+        self.master_addr: str | None = None  # the allocation's first node, once it runs
         self._state: dict[str, str] = {}
         self._asked = 0.0
-        self._cancelled_here = False
-
-    # -- state ---------------------------------------------------------------------------
+        self.cancelled_here = False
 
     def slurm_state(self, fresh: bool = False) -> dict[str, str]:
         """Slurm's fields for the job (``JobState``, ``Reason``, ...), asked at most every
@@ -331,8 +294,8 @@ class SlurmJob:
                 state = {"JobState": "UNKNOWN", "Reason": "Slurm no longer knows the job"}
             self._state = self._state if state is None else state  # None: ask again later
             nodes = self._state.get("NodeList", "")
-            if self.master_addr == FIRST_NODE and _known(nodes):
-                self.master_addr = (hostnames(nodes, self.env) or [FIRST_NODE])[0]
+            if self.master_addr is None and _known(nodes):
+                self.master_addr = (hostnames(nodes, self.env) or [None])[0]
         return self._state
 
     @property
@@ -340,44 +303,39 @@ class SlurmJob:
         """Slurm's job state: ``PENDING``, ``RUNNING``, ``COMPLETED``, ``TIMEOUT``, ..."""
         return self.slurm_state().get("JobState", "UNKNOWN")
 
-    @property
-    def running(self) -> bool:
-        return self.state in ALIVE
-
-    @property
-    def metrics(self) -> RunMetrics:
-        """The run's gathered metrics (re-read on every access)."""
-        return load_metrics(self.run_dir)
-
-    def node_status(self) -> dict[int, str]:
-        """Per node: ``pending (<Slurm's reason>)``, ``starting``, ``running``, ``done``,
-        ``failed`` or ``stopped``."""
-        info = self.slurm_state()
-        state = info.get("JobState", "")
-        if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", ""):
-            reason = info.get("Reason", "")
-            reason = "" if reason in ("None", "(null)") else reason  # Slurm's word for no reason
-            return {n: f"pending ({reason})" if reason else "pending" for n in range(self.nnodes)}
-        if state in ALIVE:
-            started = _timestamp(info.get("StartTime", "")) or self.started_at
-            joined = read_progress(self.run_dir).get("time", 0) >= started - 1
-            return {n: "running" if joined else "starting" for n in range(self.nnodes)}
-        finished = state == "COMPLETED" or (state == "UNKNOWN" and self._finished_on_disk())
-        if finished and self.error is None:
-            return dict.fromkeys(range(self.nnodes), "done")
-        failed = {n for n, _, _ in _failed_ranks(self.run_dir, self.nnodes)}
-        stopped = "stopped" if self._cancelled_here else "failed"
-        return {n: "failed" if n in failed else stopped for n in range(self.nnodes)}
-
-    def log_tail(self, node: int = 0, lines: int = 20) -> str:
-        """The last ``lines`` lines of a node's log (``logs/node-N.log``, srun's output)."""
-        return log_tail(self.run_dir, node, lines)
-
     def batch_log(self) -> Path:
         """The batch script's own output (``logs/slurm-<job id>.out``)."""
         return self.run_dir / "logs" / f"slurm-{self.job_id}.out"
 
-    # -- control --------------------------------------------------------------------------
+    def pending(self) -> str | None:
+        info = self.slurm_state()
+        if info.get("JobState", "") not in (
+            "PENDING",
+            "REQUEUED",
+            "REQUEUE_HOLD",
+            "CONFIGURING",
+            "",
+        ):
+            return None
+        reason = info.get("Reason", "")
+        reason = "" if reason in ("None", "(null)") else reason  # Slurm's word for no reason
+        return f"pending ({reason})" if reason else "pending"
+
+    def since(self) -> float | None:
+        return _timestamp(self.slurm_state().get("StartTime", ""))
+
+    def poll(self) -> dict[int, int | None]:
+        info = self.slurm_state()
+        state = info.get("JobState", "UNKNOWN")
+        if state in ALIVE:
+            return dict.fromkeys(range(self.nnodes))
+        code = _exit_code(info.get("ExitCode", ""))
+        if (state == "COMPLETED" and code in (0, None)) or (
+            state == "UNKNOWN" and _finished_on_disk(self.run_dir)
+        ):
+            return dict.fromkeys(range(self.nnodes), 0)
+        failed = {n for n in range(self.nnodes) if failed_ranks(self.run_dir, n)}
+        return {n: (code or 1) if n in (failed or {0}) else 0 for n in range(self.nnodes)}
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """Cancel the job (``scancel``); return once Slurm reports that it ended.
@@ -386,7 +344,7 @@ class SlurmJob:
         after its KillWait, and only then reports the job as ended.
         """
         if self.slurm_state(fresh=True).get("JobState") in ALIVE:
-            self._cancelled_here = True
+            self.cancelled_here = True
             _slurm(["scancel", self.job_id], self.env)
         deadline = time.monotonic() + timeout
         while self.slurm_state(fresh=True).get("JobState") in ALIVE:
@@ -396,52 +354,21 @@ class SlurmJob:
                     f"after scancel; check `squeue -j {self.job_id}`."
                 )
             time.sleep(1.0)
-        self.ended_at = self.ended_at or time.time()
 
-    def wait(self, timeout: float | None = None) -> SlurmJob:
-        """Follow the job to its end, showing progress; return self.
+    def sync(self) -> None:
+        pass
 
-        Raises :class:`WorkerFailed` when a worker fails, :class:`SlurmJobEnded` when
-        Slurm ends the job (time limit, node failure, cancelled elsewhere),
-        :class:`RunDirNotShared` when a node cannot see the run directory. On
-        KeyboardInterrupt it cancels the job, waits until Slurm reports it ended,
-        and re-raises. ``timeout`` (seconds) raises TimeoutError and leaves the job
-        running: :func:`attach` follows it again.
-        """
-        display = make_progress(self.progress_mode, self)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while self.running:
-                display.update()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"Job {self.job_id} did not end within {timeout} s; it is still "
-                        f"{self.state}. Follow it again with ddpnb.attach({str(self.run_dir)!r})."
-                    )
-                time.sleep(FILE_POLL_SECONDS)
-        except KeyboardInterrupt as e:
-            self.error = e
-            self.stop()
-            display.close(self)
-            print(f"Interrupted: cancelled Slurm job {self.job_id} (scancel); it has ended.")
-            raise
-        self.ended_at = self.ended_at or time.time()
-        self.error = self._failure()
-        display.close(self)
-        if self.error:
-            raise self.error
-        return self
+    def fetch(self) -> None:
+        pass
 
-    # -- failures -------------------------------------------------------------------------
+    def pids(self) -> list[int]:
+        return []  # the job's processes are Slurm's, on its nodes
 
-    def _failure(self) -> RunFailed | None:
+    def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
+        """The diagnosed error, or what Slurm says ended the job (time limit, node failure)."""
         info = self.slurm_state(fresh=True)
         state = info.get("JobState", "UNKNOWN")
         exit_code = _exit_code(info.get("ExitCode", ""))
-        if state == "COMPLETED" and exit_code in (0, None):
-            return None
-        if state == "UNKNOWN" and self._finished_on_disk():
-            return None  # ended long ago (Slurm forgot it), and the run directory says done
         if exit_code == NOT_SHARED_EXIT:
             return RunDirNotShared(
                 f"Slurm job {self.job_id} stopped at once: a node could not see the run directory "
@@ -451,7 +378,12 @@ class SlurmJob:
                 log_tail=_read_tail(self.batch_log(), 10),
             )
         if state == "FAILED":
-            return self._worker_failure(exit_code)
+            if not any(p.exists() for p in (self.run_dir / "logs").glob("node-*.log")):
+                error.args = (
+                    f"{error} No node log was written: check the batch log "
+                    f"({self.batch_log()}) and that the run directory is on a shared filesystem.",
+                )
+            return error
         nodes = hostnames(info.get("NodeList", ""), self.env)
         hint = ENDED_HINTS.get(state, "see `scontrol show job` and the batch log")
         reason = info.get("Reason", "None")
@@ -462,62 +394,13 @@ class SlurmJob:
             reason=reason,
             job_id=self.job_id,
             exit_code=exit_code,
-            log_tail=self.log_tail(0, 20) or _read_tail(self.batch_log(), 20),
+            log_tail=log_tail(self.run_dir, 0, 20) or _read_tail(self.batch_log(), 20),
         )
 
-    def _finished_on_disk(self) -> bool:
-        done = read_progress(self.run_dir).get("phase") == "done"
-        return done and len(self.metrics.epochs) >= self.config.epochs
 
-    def _worker_failure(self, exit_code: int | None) -> RunFailed:
-        errors = _failed_ranks(self.run_dir, self.nnodes)
-        infos = []
-        for node, rank, path in errors:
-            info = read_error_file(path) if path else None
-            if info:
-                secondary = any(w in info["message"] for w in SECONDARY_ERRORS)
-                infos.append(((secondary, Path(path).stat().st_mtime), node, rank, info))
-        infos.sort(key=lambda e: e[0])
-        if infos:
-            _, node, rank, info = infos[0]
-            code = next((c for n, r, c in _rank_exit_codes(self.run_dir, node) if r == rank), None)
-            return WorkerFailed(
-                f"Worker global rank {rank} on node {node} of Slurm job {self.job_id} failed "
-                f"(exit code {code}): {info['message']}. Slurm stopped the other nodes "
-                f"(srun --kill-on-bad-exit).{resume_hint(self.run_dir)}",
-                node_rank=node,
-                global_rank=rank,
-                exit_code=code,
-                traceback=info["traceback"],
-                log_tail=self.log_tail(node),
-            )
-        node, rank = (errors[0][0], errors[0][1]) if errors else (None, None)
-        no_logs = not any(p.exists() for p in self.log_paths.values())
-        why = (
-            " No node log was written: check the batch log and that the run directory is on "
-            "a shared filesystem."
-            if no_logs
-            else ""
-        )
-        return WorkerFailed(
-            f"Slurm job {self.job_id} failed (exit code {exit_code})"
-            + (
-                f"; worker global rank {rank} on node {node} failed first"
-                if rank is not None
-                else ""
-            )
-            + f".{why}{resume_hint(self.run_dir)}",
-            node_rank=node,
-            global_rank=rank,
-            exit_code=exit_code,
-            log_tail=self.log_tail(node or 0, 40) or _read_tail(self.batch_log(), 40),
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"<ddpnb.SlurmJob {self.job_id} {self.run_dir} {self.nnodes}x{self.nproc_per_node} "
-            f"{self._state.get('JobState', 'submitted')}>"
-        )
+def _finished_on_disk(run_dir: Path) -> bool:
+    """The run directory says the run finished (for a job Slurm has forgotten)."""
+    return read_progress(run_dir).get("phase") == "done"
 
 
 def _known(nodelist: str) -> bool:
@@ -542,37 +425,11 @@ def _read_tail(path: Path, lines: int) -> str:
         return ""
 
 
-# torchrun's failure summary: "rank : 1 (local_rank: 1)", "exitcode : 1 (pid: 9)",
-# "error_file: /path/error.json". With every node's torchrun writing into one shared
-# log folder, the summary (in that node's srun output) says which file is whose.
-_SUMMARY = re.compile(
-    r"^\s*rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+).*\n\s*error_file\s*:\s*(\S+)",
-    re.M,
-)
-
-
-def _rank_exit_codes(run_dir: Path, node: int) -> list[tuple[int, int, int]]:
-    """(node, global rank, exit code) of each failed worker in a node's torchrun summary."""
-    text = log_tail(run_dir, node, 400)
-    return [(node, int(m.group(1)), int(m.group(2))) for m in _SUMMARY.finditer(text)]
-
-
-def _failed_ranks(run_dir: Path, nnodes: int) -> list[tuple[int, int, str | None]]:
-    """(node, global rank, error file or None) of each failed worker, from the node logs."""
-    out = []
-    for node in range(nnodes):
-        text = log_tail(run_dir, node, 400)
-        for m in _SUMMARY.finditer(text):
-            path = m.group(3) if m.group(3) != "<N/A>" else None
-            out.append((node, int(m.group(1)), path))
-    return out
-
-
 # -- the public entry points --------------------------------------------------------------
 
 
 def submit_slurm(
-    config: TrainConfig | Mapping[str, Any],
+    what: Script | TrainConfig | Mapping[str, Any],
     run_dir: str | os.PathLike,
     nnodes: int,
     nproc_per_node: int = 1,
@@ -588,18 +445,20 @@ def submit_slurm(
     overwrite: bool = False,
     max_restarts: int = 0,
     rdzv_timeout: int = 300,
-) -> SlurmJob:
+    env: Mapping[str, str] | None = None,
+) -> Job:
     """Submit a run as a Slurm batch job (``sbatch``) and follow it like :func:`ddpnb.launch`.
 
-    Checks first (the config, the dataset, ``sbatch``, the partition, the nodes and
-    GPUs asked for), then writes the worker, ``config.json`` and ``train.sbatch``
-    into ``run_dir`` (which must be on a filesystem every node shares) and submits.
-    One torchrun per node (``srun``), the c10d rendezvous on the first node.
-    ``python`` is the interpreter the nodes run (default: this one). With
-    ``sbatch_args=["--requeue"]`` a requeued job resumes from its checkpoint;
-    ``max_restarts`` lets torchrun restart failed workers inside the allocation.
+    ``what``: a :class:`~ddpnb.Script` or the worker's TrainConfig. Checks first (the
+    script, the dataset, ``sbatch``, the partition, the nodes and GPUs asked for), then
+    writes the script's files and ``train.sbatch`` into ``run_dir`` (which must be on a
+    filesystem every node shares) and submits. One torchrun per node (``srun``), the
+    c10d rendezvous on the first node. ``python`` is the interpreter the nodes run
+    (default: this one). With ``sbatch_args=["--requeue"]`` a requeued job resumes from
+    its checkpoint; ``max_restarts`` lets torchrun restart failed workers inside the
+    allocation.
 
-    Returns a :class:`SlurmJob` (finished when ``wait``); raises
+    Returns a :class:`~ddpnb.Job` (finished when ``wait``); raises
     :class:`~ddpnb.errors.WorkerFailed` or :class:`SlurmJobEnded` on failure.
     The job outlives this process: ``attach(run_dir)`` follows it again.
 
@@ -610,68 +469,111 @@ def submit_slurm(
     >>> job.metrics.final["val_acc"]                                             # doctest: +SKIP
     0.97
     """
-    # The first node and the port are the job's, known once it runs: placeholders here.
-    topology = Topology(nnodes, nproc_per_node, FIRST_NODE, 29500, rdzv_timeout, max_restarts)
-    config = check_run(as_config(config), topology, progress)  # the dataset, model, batch
     if not isinstance(sbatch_args, (list, tuple)) or not all(
         isinstance(a, str) for a in sbatch_args
     ):
         raise ConfigError("sbatch_args must be a list of strings, e.g. ['--qos=short'].")
-    env = _slurm_env({"PYTHONUNBUFFERED": "1", "DDPNB_LAUNCHED": "1"})
-    partition = check_slurm_request(nnodes, partition, gpus_per_node, env)
-    run_dir = Path(run_dir).resolve()
-    _refuse_live_job(run_dir, env)
-    run_dir = prepare_run_dir(config, run_dir, resume=resume, overwrite=overwrite)
-    write_worker(config, run_dir)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    warn_pitfalls(config)
-    token = secrets.token_hex(16)
-    (run_dir / MARKER_NAME).write_text(token + "\n")
-    slurm_script(
-        config,
-        run_dir,
-        nnodes,
-        nproc_per_node,
-        master_port=None,
-        time_limit=time,
-        gpus_per_node=gpus_per_node or 0,
-        path=run_dir / SCRIPT_NAME,
+    batch = Batch(
+        gpus_per_node=gpus_per_node,
         partition=partition,
+        time=time,
         account=account,
+        sbatch_args=list(sbatch_args),
         python=python or sys.executable,
-        max_restarts=max_restarts,
-        rdzv_timeout=rdzv_timeout,
-        marker=token,
-        batch_log=str(run_dir / "logs" / "slurm-%j.out"),
     )
-    argv = ["sbatch", "--parsable", *sbatch_args, str(run_dir / SCRIPT_NAME)]
-    submitted_at = _time_now()
-    out = _submit(argv, run_dir, env)
-    job_id = out.strip().split(";")[0]
-    logger.info(
-        "submitted Slurm job %s: %d node(s) x %d process(es)", job_id, nnodes, nproc_per_node
-    )
-    record = {
-        "job_id": job_id,
-        "nnodes": nnodes,
-        "nproc_per_node": nproc_per_node,
-        "partition": partition,
-        "submitted_at": submitted_at,
-        "slurm_conf": env.get("SLURM_CONF"),
-        "sbatch": argv,
-    }
-    (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    job = SlurmJob(
-        run_dir,
-        config,
-        job_id,
-        nnodes,
-        nproc_per_node,
+    # The first node and the port are the job's, known once it runs: placeholders here.
+    topology = Topology(nnodes, nproc_per_node, FIRST_NODE, 1, rdzv_timeout, max_restarts)
+    return run(
+        what,
+        Path(run_dir).resolve(),
+        batch,
+        topology,
+        resume=resume,
+        overwrite=overwrite,
         progress=progress,
-        submitted_at=submitted_at,
         env=env,
+        wait=wait,
     )
-    return job.wait() if wait else job
+
+
+class Batch:
+    """The Slurm starter: checks the request against the cluster, writes and submits the script."""
+
+    data_here = True  # the run directory (and the data) are on the shared filesystem
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+        self.env = _slurm_env({"PYTHONUNBUFFERED": "1", "DDPNB_LAUNCHED": "1"})
+
+    def preflight(self, plan) -> Topology:
+        o = self.options
+        o["partition"] = check_slurm_request(
+            plan.topology.nnodes, o["partition"], o["gpus_per_node"], self.env
+        )
+        _refuse_live_job(plan.run_dir, self.env)
+        return plan.topology
+
+    def start(self, plan) -> Job:
+        o, run_dir, topology = self.options, plan.run_dir, plan.topology
+        token = secrets.token_hex(16)
+        (run_dir / MARKER_NAME).write_text(token + "\n")
+        slurm_script(
+            plan.script,
+            run_dir,
+            topology.nnodes,
+            topology.nproc_per_node,
+            master_port=None,
+            time_limit=o["time"],
+            gpus_per_node=o["gpus_per_node"] or 0,
+            path=run_dir / SCRIPT_NAME,
+            partition=o["partition"],
+            account=o["account"],
+            python=o["python"],
+            max_restarts=topology.max_restarts,
+            rdzv_timeout=topology.rdzv_timeout,
+            marker=token,
+            batch_log=str(run_dir / "logs" / "slurm-%j.out"),
+            env=plan.env,
+        )
+        argv = ["sbatch", "--parsable", *o["sbatch_args"], str(run_dir / SCRIPT_NAME)]
+        submitted_at = _time_now()
+        job_id = _submit(argv, run_dir, self.env).strip().split(";")[0]
+        logger.info(
+            "submitted Slurm job %s: %d node(s) x %d process(es)",
+            job_id,
+            topology.nnodes,
+            topology.nproc_per_node,
+        )
+        record = {
+            "job_id": job_id,
+            "nnodes": topology.nnodes,
+            "nproc_per_node": topology.nproc_per_node,
+            "partition": o["partition"],
+            "submitted_at": submitted_at,
+            "slurm_conf": self.env.get("SLURM_CONF"),
+            "sbatch": argv,
+            "script": plan.script.name,
+            "args": list(plan.script.args),
+        }
+        (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        return _job(run_dir, plan.script, plan.config, record, plan.progress, self.env)
+
+
+def _job(run_dir, script, config, record, progress, env) -> Job:
+    job_id = record["job_id"]
+    topology = Topology(
+        record["nnodes"], record["nproc_per_node"], FIRST_NODE, port_for_job(job_id)
+    )
+    nodes = SlurmNodes(run_dir, job_id, record["nnodes"], env)
+    return Job(
+        run_dir,
+        script,
+        config,
+        topology,
+        nodes,
+        progress=progress,
+        started_at=record.get("submitted_at"),
+    )
 
 
 def _time_now() -> float:
@@ -703,11 +605,11 @@ def _refuse_live_job(run_dir: Path, env: Mapping[str, str]) -> None:
         )
 
 
-def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto") -> SlurmJob:
+def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto") -> Job:
     """Follow a submitted Slurm job again, from any process (a new kernel, the CLI).
 
     Reads ``run_dir/slurm_job.json`` (written by :func:`submit_slurm`). Returns the
-    :class:`SlurmJob`, followed to its end when ``wait``; raises as ``wait()`` does.
+    :class:`~ddpnb.Job`, followed to its end when ``wait``; raises as ``wait()`` does.
 
     Example
     -------
@@ -726,14 +628,9 @@ def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto"
     extra = {}
     if record.get("slurm_conf") and "SLURM_CONF" not in os.environ:
         extra["SLURM_CONF"] = record["slurm_conf"]  # the cluster it was submitted to
-    job = SlurmJob(
-        run_dir,
-        TrainConfig.load(run_dir / "config.json"),
-        record["job_id"],
-        record["nnodes"],
-        record["nproc_per_node"],
-        progress=progress,
-        submitted_at=record.get("submitted_at"),
-        env=_slurm_env(extra),
-    )
+    config = None
+    if (run_dir / "config.json").exists() and record.get("script", WORKER_NAME) == WORKER_NAME:
+        config = TrainConfig.load(run_dir / "config.json")
+    script = Script(run_dir / record.get("script", WORKER_NAME), record.get("args", ()))
+    job = _job(run_dir, script, config, record, check_progress(progress), _slurm_env(extra))
     return job.wait() if wait else job

@@ -185,7 +185,7 @@ for pkg in ("torch", "torchvision"):
     except md.PackageNotFoundError:
         out[pkg] = None
 data = args["data_dir"]
-if os.path.isdir(os.path.join(data, "train")) and os.path.isdir(os.path.join(data, "val")):
+if data and os.path.isdir(os.path.join(data, "train")) and os.path.isdir(os.path.join(data, "val")):
     out["fingerprint"] = dataset_fingerprint(data)
 else:
     out["fingerprint"] = None
@@ -195,7 +195,6 @@ try:
         out["marker"] = f.read()
 except OSError:
     out["marker"] = None
-out["products"] = [p for p in args["products"] if os.path.exists(os.path.join(run_dir, p))]
 if args["port"] is not None:
     s = socket.socket()
     try:
@@ -234,10 +233,9 @@ def probe(
     host: Host,
     python: str,
     *,
-    data_dir: str,
+    data_dir: str | None,
     run_dir: str,
     marker: str,
-    products: Sequence[str],
     port: int | None,
     gpus: bool,
     timeout: float = PROBE_TIMEOUT,
@@ -247,7 +245,6 @@ def probe(
         "data_dir": data_dir,
         "run_dir": run_dir,
         "marker": marker,
-        "products": list(products),
         "port": port,
         "gpus": gpus,
     }
@@ -303,7 +300,12 @@ def probe_all(ssh: Ssh, hosts: Sequence[Host], python: str, **kwargs) -> list[Pr
 
 
 def check_probes(
-    probes: Sequence[Probe], *, data_dir: str, nproc_per_node: int, gpus: bool, port: int | None
+    probes: Sequence[Probe],
+    *,
+    data_dir: str | None,
+    nproc_per_node: int,
+    gpus: bool,
+    port: int | None,
 ) -> None:
     """Raise one :class:`HostError` naming every host that cannot run the job, and why."""
     problems = [(p.host, p.error) for p in probes if p.error]
@@ -317,7 +319,7 @@ def check_probes(
                     f"has no {' or '.join(missing)} for {r['python']}: pip install torch torchvision there",
                 )
             )
-        elif r["fingerprint"] is None:
+        elif data_dir is not None and r["fingerprint"] is None:
             problems.append(
                 (
                     host,
@@ -348,7 +350,7 @@ def check_probes(
             host=odd[0].spec,
         )
     first = reports[0][1]["fingerprint"]
-    differ = [h for h, r in reports if r["fingerprint"] != first]
+    differ = [h for h, r in reports if r["fingerprint"] != first] if data_dir else []
     if differ:
         raise HostError(
             _lines(

@@ -1,7 +1,8 @@
-"""The shape of a run: how many nodes and processes, and where they meet.
+"""The shape of a run: how many nodes and processes, where they meet, and torchrun's options.
 
-One value instead of six keywords passed around together: the launcher, the
-progress display, the per-node commands and the sbatch script all read it.
+One value instead of six keywords passed around together. :meth:`Topology.torchrun_args`
+is the one place torchrun's command line is built: the launcher, the per-node commands,
+the SSH hosts and the sbatch script all read it.
 """
 
 from __future__ import annotations
@@ -44,21 +45,57 @@ class Topology:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
-    def torchrun_args(self, node_rank: int, log_dir: str | None = None) -> list[str]:
-        """torchrun's options for one node under static rendezvous (node 0 hosts it).
+    def torchrun_args(
+        self,
+        node_rank: int | None,
+        log_dir: str | None = None,
+        *,
+        rendezvous: str = "static",
+        rdzv_id: str = "",
+        local_addr: str | None = None,
+        port: str | None = None,
+    ) -> list[str]:
+        """torchrun's options for one node (node 0 hosts the rendezvous).
+
+        ``static``: each node gets its ``--node_rank``. ``c10d``: an elastic rendezvous
+        at ``master_addr:master_port`` named ``rdzv_id``; ``local_addr`` names this
+        node's own address, and ``node_rank`` 0 says it hosts the store (``is_host=1``).
+        A ``node_rank`` of None leaves both to the environment (``PET_RDZV_CONF``,
+        ``PET_LOCAL_ADDR``: the sbatch script sets them per node). ``port`` replaces
+        the port's text (a shell variable in a batch script).
 
         >>> Topology(1, 1, "127.0.0.1", 29500).torchrun_args(0)[:2]
         ['--nnodes=1', '--node_rank=0']
         """
-        args = [
-            f"--nnodes={self.nnodes}",
-            f"--node_rank={node_rank}",
-            f"--nproc_per_node={self.nproc_per_node}",
-            f"--master_addr={self.master_addr}",
-            f"--master_port={self.master_port}",
-            f"--max_restarts={self.max_restarts}",
-            f"--rdzv_conf=timeout={self.rdzv_timeout}",
-        ]
-        if log_dir:
-            args += [f"--log_dir={log_dir}", "--tee=3", "--log_line_prefix_template=[rank${rank}] "]
+        port = port or str(self.master_port)
+        if rendezvous == "static":
+            args = [
+                f"--nnodes={self.nnodes}",
+                f"--node_rank={node_rank}",
+                f"--nproc_per_node={self.nproc_per_node}",
+                f"--master_addr={self.master_addr}",
+                f"--master_port={port}",
+                f"--max_restarts={self.max_restarts}",
+                f"--rdzv_conf=timeout={self.rdzv_timeout}",
+            ]
+        elif rendezvous == "c10d":
+            args = [
+                f"--nnodes={self.nnodes}",
+                f"--nproc_per_node={self.nproc_per_node}",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={self.master_addr}:{port}",
+                f"--rdzv_id={rdzv_id}",
+            ]
+            if node_rank is not None:
+                args.append(
+                    f"--rdzv_conf=join_timeout={self.rdzv_timeout},is_host={int(node_rank == 0)}"
+                )
+            if local_addr:
+                args.append(f"--local_addr={local_addr}")
+            args.append(f"--max_restarts={self.max_restarts}")
+        else:
+            raise ConfigError("rendezvous must be 'static' or 'c10d'.")
+        if log_dir is not None:  # "": the folder comes from the environment (PET_LOG_DIR)
+            args += [f"--log_dir={log_dir}"] if log_dir else []
+            args += ["--tee=3", "--log_line_prefix_template=[rank${rank}] "]
         return args

@@ -454,11 +454,15 @@ def save_checkpoint(path, epoch, cfg, me, model, optimizer, scheduler, fingerpri
 # Part 2: the machinery (what Part 1 calls to be robust and measurable)
 # =============================================================================
 
+try:  # progress.json and metrics.jsonl: the reporting file ddpnb places beside every script
+    import ddpnb_reporting as report
+except ImportError:  # imported as ddpnb.worker (the package reads a few helpers)
+    from ddpnb import reporting as report
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 MEMORY_PIPELINE_BYTES = 2 << 30  # decode into RAM when the uint8 tensors fit in this
-PROGRESS_INTERVAL = 0.25  # seconds between progress.json writes
 # The pitfall switches (config field -> what goes wrong when it is False): each reproduces
 # a classic DDP mistake on purpose, for notebook 06. All are True in a correct run.
 PITFALL_SWITCHES = {
@@ -491,27 +495,18 @@ class Monitor:
             parse_fault(os.environ["DDPNB_FAULT"]) if os.environ.get("DDPNB_FAULT") else None
         )
         self.agent_pid = os.getppid()  # torchrun's agent; if it dies, this node is lost: stop too
-        self.progress_path = run_dir / "progress.json"
+        report.use_run_dir(run_dir)  # progress.json and metrics.jsonl: the reporting file
         self.metrics_path = run_dir / "metrics.jsonl"
         self.rank_path = run_dir / "ranks" / f"rank-{me.global_rank}.jsonl"
         self.comm = {"blocked": 0.0, "returned": None}  # the comm hook's timing of each step
         self.backward_end = self.batch_ready = 0.0
-        self.last_progress = 0.0
-        self.first_step_time = None  # launch latency is measured up to here
         self.epoch = self.steps = 0
         self.order_hash = ""
         self.data_wait = self.compute = self.comm_wait = 0.0
         self.epoch_start = self.train_seconds = 0.0
 
     def joined(self) -> None:
-        if self.me.master_process:
-            joined = {
-                "phase": "joined",
-                "world_size": self.me.world_size,
-                "time": time.time(),
-                "restart_count": self.me.restart_count,
-            }
-            atomic_write_bytes(self.progress_path, json.dumps(joined).encode())
+        report.joined(self.me.world_size)
 
     def watch(self, model: nn.Module, optimizer, cfg: dict, backend: str) -> str:
         """Register the comm hook that averages and times gradients; returns how they travel."""
@@ -581,31 +576,13 @@ class Monitor:
         if self.comm["returned"] is not None:  # time in the hook, then waiting for it alone
             self.comm_wait += self.comm["blocked"] + self.backward_end - self.comm["returned"]
         self.comm["blocked"], self.comm["returned"] = 0.0, None
-        if self.first_step_time is None:
-            self.first_step_time = time.time()
         self._inject_fault(step)
         if self.me.distributed and os.getppid() != self.agent_pid:
             raise RuntimeError(
                 f"The torchrun agent (pid {self.agent_pid}) of node {self.me.node_rank} is gone: "
                 "this node is lost, so its worker stops too. Relaunch with resume=True."
             )
-        now = time.perf_counter()
-        if self.me.master_process and (
-            now - self.last_progress > PROGRESS_INTERVAL or step + 1 == self.steps
-        ):
-            self.last_progress = now
-            progress = {
-                "phase": "train",
-                "epoch": self.epoch,
-                "epochs": self.cfg["epochs"],
-                "step": step + 1,
-                "steps": self.steps,
-                "loss": loss.item(),
-                "restart_count": self.me.restart_count,
-                "time": time.time(),
-                "first_step_time": self.first_step_time,
-            }
-            atomic_write_bytes(self.progress_path, json.dumps(progress).encode(), durable=False)
+        report.step(step + 1, self.steps, epoch=self.epoch, epochs=self.cfg["epochs"], loss=loss)
 
     def _inject_fault(self, step: int) -> None:
         fault, me, epoch = self.fault, self.me, self.epoch
@@ -670,25 +647,14 @@ class Monitor:
             if not self.cfg["reduce_sums"]:  # pitfall: report the mean of per-rank means
                 keys = ["train_loss", "train_acc", "val_loss", "val_acc"]
                 row.update(zip(keys, metrics["mean_of_means"]))
-            append_jsonl(self.metrics_path, row)
+            report.epoch(**row)
             me.log(
                 f"epoch {epoch}/{self.cfg['epochs']} train_loss {row['train_loss']:.4f} "
                 f"val_acc {row['val_acc']:.4f} {row['images_per_second']:.0f} img/s"
             )
 
     def done(self, steps_per_epoch: int) -> None:
-        if self.me.master_process:
-            done = {
-                "phase": "done",
-                "epoch": self.cfg["epochs"],
-                "epochs": self.cfg["epochs"],
-                "step": steps_per_epoch,
-                "steps": steps_per_epoch,
-                "time": time.time(),
-                "restart_count": self.me.restart_count,
-                "first_step_time": self.first_step_time,
-            }
-            atomic_write_bytes(self.progress_path, json.dumps(done).encode())
+        report.done(self.cfg["epochs"], steps_per_epoch)
 
 
 def parse_fault(spec: str) -> dict:

@@ -29,6 +29,7 @@ from conftest import tiny_config, tmpfs
 import ddpnb
 from ddpnb.errors import ConfigError, DatasetError, RunDirError
 from ddpnb.rundir import prepare_run_dir
+from ddpnb.script import worker_script
 
 
 def _move_val_class(root):
@@ -91,7 +92,8 @@ def test_run_dir_with_another_run(tiny_data, tmp_path):
     with pytest.raises(RunDirError, match="different config.*lr.*overwrite=True"):
         ddpnb.launch(other, run, nnodes=1, resume=True)
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # nothing touched
-    prepare_run_dir(other, run, overwrite=True)  # what launch(overwrite=True) does first
+    payload = worker_script(other).payload()
+    prepare_run_dir(run, payload, other, overwrite=True)  # what launch(overwrite=True) does first
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
 
 

@@ -66,11 +66,13 @@ def test_slurm_script_content(tmp_path):
         'exec "$@"\' bash torchrun',
         "is_host=$((SLURM_NODEID == 0))",
         "PET_LOCAL_ADDR=",
-        '--nnodes "$SLURM_NNODES"',
-        "--rdzv_backend c10d",
-        '--rdzv_endpoint "$head_node:29500"',
-        "--nproc_per_node 8",
-        "/shared/run/train_ddp.py --config /shared/run/config.json",
+        "--nnodes=4 \\\n",
+        "--rdzv_backend=c10d",
+        '"--rdzv_endpoint=$head_node:29500"',
+        '"--rdzv_id=$SLURM_JOB_ID"',
+        'PET_LOG_DIR="$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"',
+        "--nproc_per_node=8",
+        "/shared/run/train_ddp.py \\\n    --config \\\n    /shared/run/config.json",
     ):
         assert line in text
     r = subprocess.run(["bash", "-n", str(tmp_path / "train.sbatch")])

@@ -6,23 +6,25 @@ import pytest
 from test_plot import _fake_run
 
 import ddpnb
-from ddpnb.job import Job
+from ddpnb.job import Job, Processes
 from ddpnb.progress import TextProgress, WidgetProgress, is_jupyter_server
 from ddpnb.topology import Topology
 
 
-def _job(run_dir, nnodes=4):
-    procs = {n: subprocess.Popen(["true"]) for n in range(nnodes)}
-    for p in procs.values():
+def _job(run_dir, nnodes=4, config=True):
+    nodes = Processes()
+    nodes.procs = {n: subprocess.Popen(["true"]) for n in range(nnodes)}
+    for p in nodes.procs.values():
         p.wait()
     (run_dir / "progress.json").write_text(
         '{"phase": "done", "epoch": 4, "epochs": 4, "step": 9, "steps": 9, "time": 0}'
     )
     return Job(
         run_dir,
-        ddpnb.TrainConfig(epochs=4),
-        procs,
+        None,
+        ddpnb.TrainConfig(epochs=4) if config else None,
         Topology(nnodes, 1, "127.0.0.1", 1234, rdzv_timeout=5),
+        nodes,
         progress="widgets",
     )
 

@@ -1,0 +1,58 @@
+"""One run, checked: the script, its config (ddpnb's worker), the topology, each node's environment."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .config import TrainConfig
+from .constants import threads_for_host
+from .errors import ConfigError
+from .preflight import as_config, check_progress
+from .reporting import RUN_DIR_ENV
+from .script import Script, worker_script
+from .topology import Topology
+
+
+class Plan:
+    """One run, checked: the script, its config (ddpnb's worker) and where it runs."""
+
+    def __init__(
+        self,
+        what: Script | TrainConfig | Mapping[str, Any],
+        topology: Topology,
+        *,
+        progress: str,
+        env: Mapping[str, str] | None,
+    ) -> None:
+        if isinstance(what, Script):
+            self.script, self.config = what, None
+        else:
+            self.config = as_config(what)
+            self.script = worker_script(self.config)
+        self.topology = topology
+        self.progress = check_progress(progress)
+        if env is not None and not (
+            isinstance(env, Mapping)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+        ):
+            raise ConfigError("env must be a dict of strings, e.g. {'NCCL_DEBUG': 'INFO'}.")
+        self.env = dict(env or {})
+        self.run_dir = Path()
+        self.resume = self.overwrite = False
+
+    def node_env(self, node_dir: str, procs_on_host: int, cores: int | None = None) -> dict:
+        """The run's variables for one node's agent (never this process's own environment)."""
+        env = {
+            RUN_DIR_ENV: node_dir,  # where ddpnb_reporting writes
+            "DDPNB_PROCS_ON_HOST": str(procs_on_host),
+            "PYTHONUNBUFFERED": "1",
+            "DDPNB_LAUNCHED": "1",
+        }
+        cfg = self.config
+        if cfg is None or cfg.threads or cfg.thread_budget:  # pitfall: torch's default
+            threads = (cfg.threads if cfg else 0) or threads_for_host(procs_on_host, cores)
+            env["OMP_NUM_THREADS"] = str(threads)
+        env.update(self.env)
+        return env

@@ -1,0 +1,114 @@
+"""Report a training script's progress to ddpnb: one small file, stdlib only.
+
+ddpnb places this file beside every script it launches, as ``ddpnb_reporting.py``.
+A script may import it and report its steps and epochs; every rank may call it, and
+only global rank 0 writes::
+
+    import ddpnb_reporting as report
+
+    for epoch in range(1, epochs + 1):
+        for step, (x, y) in enumerate(loader, 1):
+            ...
+            report.step(step, len(loader), epoch=epoch, epochs=epochs, loss=loss.item())
+        report.epoch(epoch, train_loss=train_loss, val_loss=val_loss, val_acc=val_acc)
+
+ddpnb's panel then shows step and epoch bars and live curves, and ``load_metrics``,
+``plot_curves`` and the report tables read the run. Launched by anything else (plain
+``torchrun``, ``python script.py``) every call does nothing, so the script runs
+unchanged everywhere. ddpnb's own worker reports through this file too.
+
+Files, in the run directory (``DDPNB_RUN_DIR``): ``progress.json`` (the latest step,
+replaced atomically) and ``metrics.jsonl`` (a JSON object per epoch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+RUN_DIR_ENV = "DDPNB_RUN_DIR"  # set by ddpnb's launcher on every node
+INTERVAL = 0.25  # seconds between progress.json writes at most (the last step is always written)
+
+_state = {"run_dir": None, "last": 0.0, "first_step_time": None}
+
+
+def use_run_dir(path: str | os.PathLike | None) -> None:
+    """Write into ``path`` even when not launched by ddpnb (its own worker run by hand)."""
+    _state["run_dir"] = Path(path) if path is not None else None
+
+
+def run_dir() -> Path | None:
+    """Where global rank 0 writes; None on other ranks and outside ddpnb."""
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    if _state["run_dir"] is not None:
+        return _state["run_dir"]
+    found = os.environ.get(RUN_DIR_ENV)
+    return Path(found) if found else None
+
+
+def _write_progress(record: dict) -> None:
+    folder = run_dir()
+    if folder is None:
+        return
+    record = {
+        **record,
+        "time": time.time(),
+        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        "first_step_time": _state["first_step_time"],
+    }
+    tmp = folder / f".progress.json.{os.getpid()}"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, folder / "progress.json")  # a reader never sees half a record
+
+
+def joined(world_size: int | None = None) -> None:
+    """Every rank has joined the process group (the rendezvous is complete)."""
+    size = world_size or int(os.environ.get("WORLD_SIZE", 1))
+    _write_progress({"phase": "joined", "world_size": size})
+
+
+def step(step: int, steps: int, *, epoch: int = 1, epochs: int = 1, loss=None) -> None:
+    """Step ``step`` of ``steps`` in epoch ``epoch`` of ``epochs`` is done (1-based).
+
+    ``loss`` may be a number or a one-element tensor: it is read (a device sync) only
+    when a record is written, at most every INTERVAL seconds, on rank 0.
+    """
+    if _state["first_step_time"] is None:
+        _state["first_step_time"] = time.time()
+    now = time.monotonic()
+    if run_dir() is None or (now - _state["last"] < INTERVAL and step < steps):
+        return
+    _state["last"] = now
+    record = {"phase": "train", "epoch": epoch, "epochs": epochs, "step": step, "steps": steps}
+    if loss is not None:
+        record["loss"] = float(loss)
+    _write_progress(record)
+
+
+def epoch(epoch: int, **metrics: float) -> None:
+    """Epoch ``epoch`` is done: one row of ``metrics.jsonl`` (``train_loss``, ``val_acc``, ...).
+
+    Reduce the numbers over all ranks first (sums and counts, then divide): rank 0
+    writes what it is given.
+    """
+    folder = run_dir()
+    if folder is None:
+        return
+    row = {"epoch": epoch, "world_size": int(os.environ.get("WORLD_SIZE", 1)), **metrics}
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def done(epochs: int | None = None, steps: int | None = None) -> None:
+    """Training has finished (the panel shows the run as done)."""
+    record = {"phase": "done"}
+    if epochs is not None:
+        record.update(epoch=epochs, epochs=epochs)
+    if steps is not None:
+        record.update(step=steps, steps=steps)
+    _write_progress(record)

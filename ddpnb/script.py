@@ -1,0 +1,114 @@
+"""What a run executes: a torchrun script, its arguments, and the files it needs beside it.
+
+Any script that runs under ``torchrun`` runs under ddpnb. The run directory is its
+working directory on every node: the script, its ``files`` and ddpnb's reporting file
+(``ddpnb_reporting.py``, optional to use) are copied there. ddpnb's own worker is one
+such script: :func:`worker_script` is ``train_ddp.py --config config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .errors import ConfigError
+
+REPORTING_NAME = "ddpnb_reporting.py"
+REPORTING_PATH = Path(__file__).with_name("reporting.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Script:
+    """A torchrun script, the arguments after it, and the files it needs beside it.
+
+    ``files`` (modules the script imports, small configs) are copied into the run
+    directory with the script, under their own names. Pass a ``Script`` wherever a
+    :class:`~ddpnb.TrainConfig` goes: ``launch``, ``submit_slurm``, ``check_script``.
+
+    Example
+    -------
+    >>> s = Script("multinode.py", args=["50", "10", "--batch_size", "32"], files=["datautils.py"])
+    >>> s.name
+    'multinode.py'
+    """
+
+    path: str | os.PathLike
+    args: Sequence[str] = ()
+    files: Sequence[str | os.PathLike] = ()
+    # ddpnb's worker: the name it takes in the run directory and the files ddpnb writes
+    # for it (config.json). Not for users' scripts.
+    rename: str | None = dataclasses.field(default=None, repr=False)
+    generated: Mapping[str, bytes] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise ConfigError(f"Script path must be a file path, got {self.path!r}.")
+        for field in ("args", "files"):
+            value = getattr(self, field)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise ConfigError(
+                    f"Script {field} must be a list, e.g. {field}=['a', 'b'], got {value!r}."
+                )
+            object.__setattr__(self, field, tuple(value))
+        bad = [a for a in self.args if not isinstance(a, str)]
+        if bad:
+            raise ConfigError(f"Script args must be strings (as on a command line): {bad!r}.")
+
+    @property
+    def name(self) -> str:
+        """The script's file name in the run directory."""
+        return self.rename or Path(self.path).name
+
+    def check(self) -> None:
+        """Raise ConfigError unless the script and every file exist and their names differ."""
+        paths = [Path(self.path), *map(Path, self.files)]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise ConfigError(
+                f"{', '.join(missing)}: no such file. Pass the path of the script "
+                "(and of each file it needs) as it is on this machine."
+            )
+        names = [self.name, *(p.name for p in paths[1:]), *self.generated, REPORTING_NAME]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(
+                f"Two files would land in the run directory as {', '.join(twice)}: the script "
+                f"and its files are copied there under their own names (and {REPORTING_NAME} "
+                "is ddpnb's). Rename one of them."
+            )
+
+    def payload(self) -> dict[str, bytes]:
+        """Every file the run directory gets, by name: the script, its files, the reporting file."""
+        out = {self.name: Path(self.path).read_bytes()}
+        out.update({Path(f).name: Path(f).read_bytes() for f in self.files})
+        out.update(self.generated)
+        out[REPORTING_NAME] = REPORTING_PATH.read_bytes()
+        return out
+
+    def command(self, run_dir: str | os.PathLike) -> list[str]:
+        """The script and its arguments as torchrun runs them, with ``run_dir`` its folder.
+
+        An argument naming a file ddpnb writes (the worker's ``config.json``) gets the
+        folder too, so the line runs from any working directory.
+        """
+        folder = str(run_dir).rstrip("/")
+        args = [f"{folder}/{a}" if a in self.generated else a for a in self.args]
+        return [f"{folder}/{self.name}", *args]
+
+
+def worker_script(config) -> Script:
+    """ddpnb's tutorial worker as a Script: ``train_ddp.py --config config.json``.
+
+    >>> worker_script(TrainConfig()).command("/runs/a")          # doctest: +SKIP
+    ['/runs/a/train_ddp.py', '--config', '/runs/a/config.json']
+    """
+    from .source import WORKER_PATH
+
+    return Script(
+        WORKER_PATH,
+        args=("--config", "config.json"),
+        rename="train_ddp.py",
+        generated={"config.json": config.to_json().encode()},
+    )
