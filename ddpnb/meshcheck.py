@@ -130,18 +130,36 @@ def port_range() -> str:
 
 
 def versions() -> dict:
-    """torch, CUDA and NCCL versions as this node's torch reports them (None where absent)."""
-    try:
-        import torch
-    except ImportError:
-        return {"torch": None, "cuda": None, "nccl": None}
-    nccl = None
-    try:
-        v = torch.cuda.nccl.version()
-        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    except Exception:  # a CPU build of torch has no NCCL
-        pass
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl}
+    """torch, CUDA and NCCL versions of this node's torch (None where absent).
+
+    Read from torch's ``version.py`` and the NCCL wheel's metadata, without importing torch
+    (seconds on a busy host, and it must not touch the GPUs).
+    """
+    import ast
+    import importlib.metadata as md
+    import importlib.util
+
+    found = {"torch": None, "cuda": None, "nccl": None}
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec and spec.submodule_search_locations) or []:
+        try:
+            with open(os.path.join(folder, "version.py")) as f:
+                tree = ast.parse(f.read())
+        except (OSError, SyntaxError):
+            continue
+        for node in tree.body:
+            target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
+            name = {"__version__": "torch", "cuda": "cuda"}.get(getattr(target, "id", None))
+            if name and isinstance(node.value, ast.Constant):
+                found[name] = node.value.value
+        break
+    for cuda in ("13", "12", "11"):  # pip's torch loads NCCL from this wheel
+        try:
+            found["nccl"] = md.version(f"nvidia-nccl-cu{cuda}")
+            break
+        except md.PackageNotFoundError:
+            pass
+    return found
 
 
 def local_facts(master_addr: str, ifname: str | None = None) -> dict:

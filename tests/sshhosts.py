@@ -38,8 +38,7 @@ class SshHosts:
     links: list[str]  # each host's bridge-side interface (down = the cable is pulled)
     sshd_pids: dict[str, int]  # alias -> pid of its sshd (its own listener only)
     env: dict[str, str]  # what the workers need on these hosts
-    # second_network=True: a second bridge, each host's TRAIN_IFNAME on it at train_addrs[n],
-    # and every host's default route on the first network (the wrong one for training).
+    # second_network=True: a second bridge, each host's TRAIN_IFNAME on it at train_addrs[n].
     train_addrs: list[str] = dataclasses.field(default_factory=list)
     train_bridge: str | None = None
 
@@ -87,8 +86,8 @@ def _wait_listening(ns: str, addr: str, port: int, proc: subprocess.Popen) -> No
     raise RuntimeError(f"sshd did not listen on {addr}:{port}")
 
 
-def _second_network(ns: str, n: int, tag: int, bridge: str, addr: str, gateway: str) -> None:
-    """Host n's TRAIN_IFNAME on ``bridge`` at ``addr``; its default route via ``gateway``."""
+def _second_network(ns: str, n: int, tag: int, bridge: str, addr: str) -> None:
+    """Host n's TRAIN_IFNAME on ``bridge`` at ``addr``."""
     if n == 0:
         _ip("link", "add", bridge, "type", "bridge")
         _ip("link", "set", bridge, "up")
@@ -100,7 +99,23 @@ def _second_network(ns: str, n: int, tag: int, bridge: str, addr: str, gateway: 
     _ip("-n", ns, "link", "set", TRAIN_IFNAME, "up")
     _ip("link", "set", link, "master", bridge)
     _ip("link", "set", link, "up")
-    _ip("-n", ns, "route", "add", "default", "via", gateway, "dev", IFNAME)
+
+
+@contextlib.contextmanager
+def default_route(hosts: SshHosts):
+    """Every host's default route via the first network's bridge, for the block.
+
+    Only for a block: with a default route, a host's DNS queries (torch's reverse lookups)
+    wait for their timeout instead of failing at once, as this machine does not forward.
+    """
+    gateway = hosts.addrs[0].rsplit(".", 1)[0] + ".1"
+    try:
+        for ns in hosts.namespaces:
+            _ip("-n", ns, "route", "add", "default", "via", gateway, "dev", IFNAME)
+        yield gateway
+    finally:
+        for ns in hosts.namespaces:
+            subprocess.run(["ip", "-n", ns, "route", "del", "default"], capture_output=True)
 
 
 @contextlib.contextmanager
@@ -108,7 +123,7 @@ def ssh_hosts(tmp: Path, tag: int, count: int = 2, second_network: bool = False)
     """Start ``count`` SSH hosts; yield an :class:`SshHosts`.
 
     With ``second_network`` every host also sits on a second bridge (``TRAIN_IFNAME``,
-    10.205.x.0/24) and its default route points to the first one.
+    10.205.x.0/24). No host has a default route (:func:`default_route` adds one for a block).
     """
     for tool in ("ip", "ssh", "ssh-keygen", "nsenter", "unshare", SSHD):
         if shutil.which(tool) is None:
@@ -153,7 +168,7 @@ def ssh_hosts(tmp: Path, tag: int, count: int = 2, second_network: bool = False)
             _ip("link", "set", link, "master", bridge)
             _ip("link", "set", link, "up")
             if train_bridge:
-                _second_network(ns, n, tag, train_bridge, train_addrs[n], f"{subnet}.1")
+                _second_network(ns, n, tag, train_bridge, train_addrs[n])
             alias = f"host{chr(97 + n)}"
             for name, port, is_private in ((alias, 22, False), (f"{alias}-private", 2222, True)):
                 conf = tmp / f"sshd-{name}.conf"

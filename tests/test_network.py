@@ -1,9 +1,9 @@
 """The network check before a run: real sshd hosts in network namespaces, real nftables.
 
-Three hosts (tests/sshhosts.py) on two networks: SSH and every default route on the first
-(``ddpnb0``), a second one (``ddpnb1``) for training. Firewall rules are nftables tables
-inside one host's namespace, removed after each test. No test passes the fixture's
-``GLOO_SOCKET_IFNAME``: the interfaces are the check's own choice.
+Three hosts (tests/sshhosts.py) on two networks: SSH on the first (``ddpnb0``, where one
+test puts every default route), a second one (``ddpnb1``) for training. Firewall rules are
+nftables tables inside one host's namespace, removed after each test. No test passes the
+fixture's ``GLOO_SOCKET_IFNAME``: the interfaces are the check's own choice.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sshhosts import IFNAME, TRAIN_IFNAME, ssh_hosts
+from sshhosts import IFNAME, TRAIN_IFNAME, default_route, ssh_hosts
 
 from ddpnb.errors import NetworkError
 from ddpnb.network import check_network
@@ -111,30 +111,29 @@ def test_two_hosts_pass_and_each_gets_the_interface_toward_node_0(hosts, tmp_pat
     nccl = _check(hosts, 2, hosts.addrs[0], 29631, backend="nccl",
                   user_env={"GLOO_SOCKET_IFNAME": IFNAME})  # fmt: skip
     assert [nccl.env(n) for n in (0, 1)] == [{"NCCL_SOCKET_IFNAME": IFNAME}] * 2
-    # The chosen interfaces carry a real gloo all-reduce (meshcheck, as the Slurm step runs
-    # it, given exactly report.env(n)).
-    envs = [report.env(n) for n in (0, 1)]
-    codes, outs = _meshcheck(hosts, tmp_path, 2, hosts.addrs[0], 29632, envs)
+    # The chosen interface carries a real gloo all-reduce: meshcheck, as the Slurm step runs
+    # it, node 0 given report.env(0), node 1 choosing by itself (and writing its choice for
+    # the torchrun step to source).
+    codes, outs = _meshcheck(hosts, tmp_path, 2, hosts.addrs[0], 29632, [report.env(0), {}])
     assert codes == [0, 0], outs
     assert all("gloo all-reduce ok" in out for out in outs), outs
-    assert (tmp_path / "net-1.env").read_text() == ""  # the interface was set: nothing to add
+    assert (tmp_path / "net-0.env").read_text() == ""  # set by the caller: nothing to add
+    assert (tmp_path / "net-1.env").read_text() == f"export GLOO_SOCKET_IFNAME={IFNAME}\n"
     assert not _no_leftovers(hosts)
 
 
-def test_two_networks_each_host_picks_the_one_master_addr_is_on(hosts, tmp_path):
+def test_two_networks_each_host_picks_the_one_master_addr_is_on(hosts):
     # The default route (and SSH) go over ddpnb0; node 0's training address is on ddpnb1.
-    route = subprocess.run(["ip", "-n", hosts.namespaces[1], "-4", "route", "get", "192.0.2.77"],
-                           capture_output=True, text=True).stdout  # fmt: skip
-    assert f"dev {IFNAME}" in route
-    report = _check(hosts, 3, hosts.train_addrs[0], 29633)
+    with default_route(hosts):
+        route = subprocess.run(["ip", "-n", hosts.namespaces[1], "-4", "route", "get",
+                                "192.0.2.77"], capture_output=True, text=True).stdout  # fmt: skip
+        assert f"dev {IFNAME}" in route
+        report = _check(hosts, 3, hosts.train_addrs[0], 29633)
     assert [r.interface for r in report.rows] == [TRAIN_IFNAME] * 3, str(report)
     assert [r.address for r in report.rows] == hosts.train_addrs
     assert [report.env(n) for n in range(3)] == [{"GLOO_SOCKET_IFNAME": TRAIN_IFNAME}] * 3
     assert f"dev {TRAIN_IFNAME} src {hosts.train_addrs[2]}" in report.rows[2].why
-    # The Slurm step chooses the same, and writes it for the torchrun step to source.
-    codes, outs = _meshcheck(hosts, tmp_path, 3, hosts.train_addrs[0], 29634, [{}] * 3)
-    assert codes == [0, 0, 0], outs
-    assert (tmp_path / "net-2.env").read_text() == f"export GLOO_SOCKET_IFNAME={TRAIN_IFNAME}\n"
+    assert "holds master_addr" in report.rows[0].why
 
 
 def test_a_firewall_dropping_the_rendezvous_port_is_named(hosts, nft):
@@ -179,4 +178,20 @@ def test_ephemeral_ports_dropped_between_two_hosts_name_the_pair(hosts, nft, tmp
     codes, outs = _meshcheck(hosts, tmp_path, 3, hosts.addrs[0], port, [{}] * 3)
     assert codes == [1, 1, 1], outs
     assert "cannot connect to" in outs[0] and "ephemeral port" in outs[0], outs[0]
+    assert not _no_leftovers(hosts)
+
+
+def test_loopback_master_addr_is_named_unless_every_node_is_one_host(hosts):
+    # A host name that resolves to loopback (Debian's 127.0.1.1, this machine's 127.0.0.1)
+    # passed as master_addr: every host would rendezvous with itself.
+    with pytest.raises(NetworkError) as e:
+        _check(hosts, 2, "127.0.0.1", 29637)
+    message = str(e.value)
+    assert "hostb resolves master_addr '127.0.0.1' to 127.0.0.1, its own loopback" in message
+    assert f"use node 0's address ({hosts.addrs[0]}, {hosts.train_addrs[0]})" in message, message
+    # Both nodes on one host (one network namespace): loopback is right, and chosen.
+    ssh = Ssh(str(hosts.ssh_config))
+    one = parse_hosts([hosts.names[0], hosts.names[0]])
+    report = check_network(ssh, one, sys.executable, master_addr="127.0.0.1", master_port=29637)
+    assert [r.interface for r in report.rows] == ["lo", "lo"] and report.ok
     assert not _no_leftovers(hosts)
