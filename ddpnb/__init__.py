@@ -1,7 +1,7 @@
 """ddpnb: from one process to multi-node DistributedDataParallel, from a notebook.
 
-``import ddpnb`` is light: the public names load their module (and torch, or
-matplotlib) on first use, so ``ddpnb check`` answers before torch is imported.
+``import ddpnb`` is light: everything but the plots imports only the standard library
+(torch is imported where a check needs it), so ``ddpnb check`` answers at once.
 """
 
 from __future__ import annotations
@@ -9,33 +9,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .cluster import node_commands, slurm_script
 from .config import TrainConfig
+from .data import inspect_dataset, prepare_digits
 from .errors import DdpnbError, WorkerFailed
-
-# Eager, and light (stdlib only): the function must shadow its module's name, which
-# any ``import ddpnb.launch`` would otherwise bind on the package.
-from .launch import Job, launch, train_single
-
-# public name -> the module that defines it (imported on first access)
-_LAZY = {
-    "inspect_dataset": "data",
-    "prepare_digits": "data",
-    "load_metrics": "metrics",
-    "node_commands": "cluster",
-    "slurm_script": "cluster",
-    "plot_curves": "plot",
-    "plot_scaling": "plot",
-    "plot_throughput": "plot",
-    "write_worker": "rundir",
-    "check_hosts": "remote",
-    "ssh_commands": "remote",
-    "submit_slurm": "slurm",
-    "attach": "slurm",
-}
+from .job import Job
+from .launch import launch, train_single
+from .metrics import load_metrics
+from .remote import check_hosts, ssh_commands
+from .rundir import write_worker
+from .script import Script
+from .slurm import attach, submit_slurm
 
 __all__ = [
     "DdpnbError",
     "Job",
+    "Script",
     "TrainConfig",
     "WorkerFailed",
     "attach",
@@ -57,6 +46,9 @@ __all__ = [
 
 __version__ = "0.1.0"
 
+# The plots need matplotlib: loaded on first use, so that ``import ddpnb`` stays light.
+_LAZY = {"plot_curves": "plot", "plot_scaling": "plot", "plot_throughput": "plot"}
+
 
 def __getattr__(name: str):
     if name in _LAZY:
@@ -71,10 +63,4 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never runs
-    from .cluster import node_commands, slurm_script
-    from .data import inspect_dataset, prepare_digits
-    from .metrics import load_metrics
     from .plot import plot_curves, plot_scaling, plot_throughput
-    from .remote import check_hosts, ssh_commands
-    from .rundir import write_worker
-    from .slurm import attach, submit_slurm

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from .metrics import RunMetrics
 from .report import RunLike, as_metrics, rank_table, scaling_table
@@ -18,10 +21,30 @@ def _runs(runs: RunLike | Sequence[RunLike]) -> list[RunMetrics]:
     return [as_metrics(r) for r in runs]
 
 
+def label_log_axis(ax: Axes) -> None:
+    """Label a log-scale y axis at 1, 2 and 5 of each decade, as plain numbers (0.5, 2, 20).
+
+    Matplotlib labels only the powers of ten, so a loss curve near 2 would sit between the
+    labels 1 and 10 with nothing to read it by. Over many decades fewer labels are used.
+    Call it after plotting: it reads the axis's limits.
+
+    Example
+    -------
+    >>> ax.set_yscale("log"); ax.plot(losses); label_log_axis(ax)   # doctest: +SKIP
+    """
+    low, high = ax.get_ylim()
+    decades = math.log10(high / low) if low > 0 and high > low else 0.0
+    subs = (1.0, 2.0, 5.0) if decades <= 3.5 else (1.0, 3.0) if decades <= 6 else (1.0,)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None = None) -> Figure:
     """Loss and accuracy per epoch (train dashed, val solid) for one or more runs.
 
-    Epochs that followed a torchrun restart are marked with a red ``x``.
+    Epochs that followed a torchrun restart are marked with a red ``x``. A script's run
+    draws the numbers it reported (``ddpnb_reporting.epoch``); the rest stay empty.
 
     Example
     -------
@@ -35,25 +58,34 @@ def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None 
     ax_loss, ax_acc = fig.subplots(1, 2)
     for i, (run, label) in enumerate(zip(runs, labels)):
         color = f"C{i}"
-        ep = run.series("epoch")
         for ax, key in ((ax_loss, "loss"), (ax_acc, "acc")):
-            ax.plot(ep, run.series(f"train_{key}"), "--", color=color, label=f"{label} train")
-            ax.plot(ep, run.series(f"val_{key}"), "-o", ms=3, color=color, label=f"{label} val")
+            for split, style in (("train", "--"), ("val", "-o")):
+                points = _points(run.epochs, f"{split}_{key}")
+                if points:
+                    ax.plot(*points, style, ms=3, color=color, label=f"{label} {split}")
             resumed = [
                 (e["epoch"], e[f"val_{key}"])
                 for prev, e in zip(run.epochs, run.epochs[1:])
-                if e.get("restart_count", 0) > prev.get("restart_count", 0)
+                if e.get("restart_count", 0) > prev.get("restart_count", 0) and f"val_{key}" in e
             ]
             if resumed:
                 xs, ys = zip(*resumed)
                 ax.plot(xs, ys, "x", color="red", ms=10, mew=2, label=f"{label}: restart")
     # Log scale: an untrained first epoch can sit 100x above the rest.
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss (log)", title="Loss", yscale="log")
+    label_log_axis(ax_loss)
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="Accuracy", ylim=(0, 1.02))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     return fig
+
+
+def _points(epochs: list[dict], key: str) -> tuple[list, list] | None:
+    """(epochs, values) of the rows that hold ``key``, or None when none does."""
+    rows = [(e["epoch"], e[key]) for e in epochs if isinstance(e.get(key), (int, float))]
+    return (list(zip(*rows))[0], list(zip(*rows))[1]) if rows else None
 
 
 def plot_throughput(
@@ -86,7 +118,9 @@ def plot_throughput(
         x += 1.8
     ax.set_xticks(ticks, ticklabels)
     ax.set(ylabel="training images/s", title="Throughput per rank and in total")
-    ax.legend(fontsize=8)
+    ax.margins(y=0.12)  # room for the numbers above the bars
+    # Beside the axes, not over them: inside, it covered the first total's number.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
