@@ -1,6 +1,7 @@
 """Every notebook runs headless under papermill, and produces what it promises."""
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -13,7 +14,11 @@ from ddpnb.source import worker_source
 ALL = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 MAX_CELL_LINES = 8  # code cells call the package; the prose teaches
 FIRST = "01_dataset_prep.ipynb"  # writes the dataset every other notebook reads
-NEEDS = {"03_multi_node_ddp.ipynb": ["02_single_node_baseline.ipynb"]}  # the baseline
+NEEDS = {  # the baseline; the simulated run notebook 07 compares with
+    "03_multi_node_ddp.ipynb": ["02_single_node_baseline.ipynb"],
+    "07_real_machines.ipynb": ["03_multi_node_ddp.ipynb"],
+}
+DRAWS = re.compile(r"\b(plot_\w+|draw\w*)\(")  # a cell that calls one of these promises a figure
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -92,10 +97,26 @@ def _printed(path: Path) -> str:
     )
 
 
+def cells_without_figure(path: Path) -> list[int]:
+    """Code cells of an executed notebook that call a plot function but show no image.
+
+    ddpnb's plot functions return a Figure built without pyplot: a cell shows it only by
+    ending with it or by ``display(fig)``; one that just calls the function shows nothing.
+    """
+    nb = nbformat.read(path, as_version=4)
+    return [
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and DRAWS.search(c.source)
+        if not any("image/png" in o.get("data", {}) for o in c.get("outputs", []))
+    ]
+
+
 @pytest.mark.slow
 def test_01_dataset_prep(executed):
     out, failures = executed("01_dataset_prep.ipynb")
     assert "01_dataset_prep.ipynb" not in failures, failures.get("01_dataset_prep.ipynb")
+    assert not cells_without_figure(out / "01_dataset_prep.ipynb")
     s = _summary(out, "01")
     assert (s["train"], s["val"], len(s["classes"])) == (1437, 360, 10)
     assert len(s["fingerprint"]) == 64
@@ -109,6 +130,7 @@ def test_02_baseline(executed):
     assert "02_single_node_baseline.ipynb" not in failures, failures.get(
         "02_single_node_baseline.ipynb"
     )
+    assert not cells_without_figure(out / "02_single_node_baseline.ipynb")
     s = _summary(out, "02")
     assert s["epochs"] == 1 and s["images_per_second"] > 0 and 0 <= s["val_acc"] <= 1
     rows = [json.loads(x) for x in (out / "baseline" / "metrics.jsonl").read_text().splitlines()]
@@ -123,6 +145,7 @@ def test_02_baseline(executed):
 def test_03_multi_node(executed):
     out, failures = executed("03_multi_node_ddp.ipynb")
     assert "03_multi_node_ddp.ipynb" not in failures, failures.get("03_multi_node_ddp.ipynb")
+    assert not cells_without_figure(out / "03_multi_node_ddp.ipynb")
     s = _summary(out, "03")
     assert s["world_size"] == 2 and s["baseline_val_acc"] is not None
     rows = [json.loads(x) for x in (out / "ddp" / "metrics.jsonl").read_text().splitlines()]
@@ -135,12 +158,16 @@ def test_03_multi_node(executed):
     assert worker_source("validate") in printed
     text = (out / "03_multi_node_ddp.ipynb").read_text()
     assert "bash torchrun" in text and "--node_rank=1" in text
+    # Node commands one option per line: none wraps mid-token in the output area.
+    assert "torchrun \\\n    --nnodes=2 \\\n" in printed and "    --node_rank=1 \\\n" in printed
+    assert "    --master_addr=127.0.0.1 \\\n" in printed  # the simulated nodes' own commands
 
 
 @pytest.mark.slow
 def test_04_fault_tolerance(executed):
     out, failures = executed("04_fault_tolerance.ipynb")
     assert "04_fault_tolerance.ipynb" not in failures, failures.get("04_fault_tolerance.ipynb")
+    assert not cells_without_figure(out / "04_fault_tolerance.ipynb")
     s = _summary(out, "04")
     assert s["epochs"] == [1, 2, 3] and s["restart_counts"] == [0, 1, 1]
     assert abs(s["fault_val_acc"] - s["uninterrupted_val_acc"]) <= 0.01
@@ -155,6 +182,7 @@ def test_04_fault_tolerance(executed):
 def test_05_scaling(executed):
     out, failures = executed("05_scaling.ipynb")
     assert "05_scaling.ipynb" not in failures, failures.get("05_scaling.ipynb")
+    assert not cells_without_figure(out / "05_scaling.ipynb")
     rows = _summary(out, "05")["layouts"]
     assert [r["layout"] for r in rows] == ["1x1", "1x2", "2x1"]
     assert [r["world_size"] for r in rows] == [1, 2, 2]
@@ -176,6 +204,7 @@ def test_05_scaling(executed):
 def test_06_pitfalls(executed):
     out, failures = executed("06_pitfalls.ipynb")
     assert "06_pitfalls.ipynb" not in failures, failures.get("06_pitfalls.ipynb")
+    assert not cells_without_figure(out / "06_pitfalls.ipynb")
     s = _summary(out, "06")
     assert s["world_size"] == 2 and s["val_images"] % 2 == 1
     assert s["no_sampler_train_samples_per_rank"] == s["train_images"]
@@ -195,3 +224,15 @@ def test_06_pitfalls(executed):
     text = (out / "06_pitfalls.ipynb").read_text()
     assert "U+FF08" in text and "name 'device' is not defined" in text
     assert "PortInUseError" in text and "PITFALL SWITCH OFF" in text
+
+
+@pytest.mark.slow
+def test_07_real_machines_without_hosts(executed):
+    out, failures = executed("07_real_machines.ipynb")
+    assert "07_real_machines.ipynb" not in failures, failures.get("07_real_machines.ipynb")
+    assert not cells_without_figure(out / "07_real_machines.ipynb")  # 03's simulated curves
+    s = _summary(out, "07")
+    assert s["hosts"] == [] and s["world_size"] == 0
+    printed = _printed(out / "07_real_machines.ipynb")
+    assert "hosts is empty: nothing was started." in printed
+    assert "-- gpu2  # runs, on that host:" in printed and "--node_rank=1 \\\n" in printed

@@ -30,6 +30,25 @@ def test_environment_yml_names_the_same_packages_as_pyproject():
     assert pip == ["-e ."] and env["name"] == "ddpnb"
 
 
+def _bounds(spec: str) -> dict[str, tuple[int, ...]]:
+    return {op: tuple(map(int, v.split("."))) for op, v in re.findall(r"(>=|<)([\d.]+)", spec)}
+
+
+def test_environment_yml_takes_a_current_torch_from_conda_forge():
+    import yaml
+
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    # The pytorch channel's last build is 2.5: listed, conda would prefer its old torch.
+    assert env["channels"][0] == "conda-forge" and "pytorch" not in env["channels"]
+    conda = {_name(d): d for d in env["dependencies"] if isinstance(d, str)}
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pypi = {_name(d): d for d in deps}
+    torch = _bounds(conda["pytorch"])
+    assert torch[">="] >= (2, 6), "a lower bound at or below 2.5 lets conda pick an old build"
+    assert torch["<"] == _bounds(pypi["torch"])["<"]  # the same newest torch as pip installs
+    assert _bounds(conda["torchvision"])["<"] == _bounds(pypi["torchvision"])["<"]
+
+
 def test_console_script_and_module_entry_points():
     r = subprocess.run([sys.executable, "-m", "ddpnb", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "prep" in r.stdout and "train" in r.stdout

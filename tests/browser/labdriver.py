@@ -39,15 +39,12 @@ INSTALL_HINT = (
     "(sudo apt-get install -y chromium) and Playwright's Python package "
     "(pip install -e '.[test]'); never run 'playwright install'. .ci/run installs both."
 )
-# Lab settings that keep the page quiet and whole: no news or update pop-ups over the
-# screenshots, and every cell in the DOM (no windowing) so the test can find them all.
+# The test's own user setting: every cell in the DOM (no windowing) so the test can find
+# them all. The news and update pop-ups are turned off by `make lab` itself (its overrides).
 LAB_SETTINGS = {
-    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
-        "fetchNews": "false",
-        "checkForUpdates": False,
-    },
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
 }
+VENV = Path(sys.prefix)  # make lab's .venv when the tests run from it, as make test does
 
 
 def artifacts_dir() -> Path:
@@ -95,7 +92,12 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class Lab:
-    """A JupyterLab server on a free loopback port, serving ``root``."""
+    """``make lab`` on a free loopback port, serving ``root`` (its ``LAB_DIR``).
+
+    The server is started by the Makefile's own ``lab`` target, so it gets the same
+    options, overrides and notebook copies a participant gets; only the port and token
+    are added (``LAB_ARGS``).
+    """
 
     def __init__(self, root: Path, home: Path) -> None:
         self.root = root
@@ -106,32 +108,35 @@ class Lab:
         for name, value in LAB_SETTINGS.items():
             (settings / name).parent.mkdir(parents=True, exist_ok=True)
             (settings / name).write_text(json.dumps(value))
-        env = {k: v for k, v in os.environ.items() if k != "DDPNB_PROGRESS"}
+        drop = ("DDPNB_PROGRESS", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")  # a make test's own
+        env = {k: v for k, v in os.environ.items() if k not in drop}
         env.update(
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
             JUPYTERLAB_SETTINGS_DIR=str(settings),
             JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
             JUPYTER_RUNTIME_DIR=str(home / "runtime"),
         )
+        lab_args = [
+            f"--port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            "--LabApp.extension_manager=readonly",  # no PyPI queries
+        ]
         self.log_path = home / "lab.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [
-                    sys.executable,
-                    "-m",
-                    "jupyter",
+                    "make",
+                    "--no-print-directory",
+                    "-C",
+                    str(REPO),
+                    "-o",
+                    f"{VENV}/.installed",  # installed already: never reinstall from a test
+                    f"VENV={VENV}",
+                    f"LAB_DIR={root}",
+                    f"LAB_ARGS={' '.join(lab_args)}",
                     "lab",
-                    "--no-browser",
-                    "--ip=127.0.0.1",
-                    f"--port={self.port}",
-                    "--ServerApp.port_retries=0",
-                    f"--IdentityProvider.token={self.token}",
-                    f"--ServerApp.root_dir={root}",
-                    "--LabApp.news_url=None",
-                    "--LabApp.extension_manager=readonly",  # no PyPI queries
-                    *(["--allow-root"] if os.geteuid() == 0 else []),  # CI containers
                 ],
-                cwd=root,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -1,8 +1,10 @@
 """What a workshop participant sees: notebook 03 run from JupyterLab's UI in Chromium.
 
-The notebooks in the lab root are the real ones; only their ``parameters`` cell is changed
-(tiny data, 16 px images). ``progress="auto"`` so the widget panel is chosen by detection.
-Screenshots go to runs/browser-artifacts/ (or $DDPNB_BROWSER_ARTIFACTS).
+The server is ``make lab`` itself (its options, overrides and notebook copies), with its
+``LAB_DIR`` inside this clone, under the git-ignored runs/. Notebook 03's copy differs from
+the real one only in its ``parameters`` cell (tiny data, 16 px images), written before
+``make lab`` starts, which must keep it. ``progress="auto"`` so the widget panel is chosen
+by detection. Screenshots go to runs/browser-artifacts/ (or $DDPNB_BROWSER_ARTIFACTS).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from labdriver import (
     CHROMIUM_ARGS,
     INSTALL_HINT,
     REPO,
+    VENV,
     Lab,
     alive,
     artifacts_dir,
@@ -138,19 +142,31 @@ CONTRAST_JS = """el => {
 # `from conftest import ...` of the other test files) -------------------------------
 
 
+def _git_status(*paths: Path | str) -> str:
+    """``git status --porcelain`` of ``paths`` in this clone: what a participant's pull sees."""
+    args = ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=all", "--"]
+    return subprocess.run([*args, *map(str, paths)], capture_output=True, text=True).stdout
+
+
 @pytest.fixture(scope="module")
-def lab_root(tmp_path_factory, tiny_data) -> Path:
-    """A lab root holding a copy of the notebooks and the tiny dataset."""
-    root = tmp_path_factory.mktemp("lab") / "workshop"
-    shutil.copytree(REPO / "notebooks", root)
+def lab_root(tiny_data) -> Path:
+    """make lab's LAB_DIR in this clone: the tiny dataset and notebook 03 with small
+    parameters, there before make lab starts (a participant's own copy); the rest it copies."""
+    root = REPO / "runs" / "browser-workshop"
+    shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(tiny_data, root / "data" / "tiny")
+    with_parameters(REPO / "notebooks" / NB, root / NB, run_dir="runs/ddp", epochs=6, **SMALL)
     return root
 
 
 @pytest.fixture(scope="module")
 def lab(lab_root, tmp_path_factory):
-    """JupyterLab on ``lab_root``; always shut down, leftovers killed by PID."""
+    """``make lab`` on ``lab_root``; always shut down, leftovers killed by PID.
+
+    ``lab.notebooks_status`` is git's view of notebooks/ before the server started."""
+    notebooks_status = _git_status("notebooks")
     server = Lab(lab_root, tmp_path_factory.mktemp("lab-home"))
+    server.notebooks_status = notebooks_status
     try:
         yield server
     finally:
@@ -182,8 +198,19 @@ def page(lab):
 # -- tests ---------------------------------------------------------------------------
 
 
+def test_make_lab_serves_copies_and_keeps_the_participants_own(lab):
+    originals = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
+    assert sorted(p.name for p in lab.root.glob("*.ipynb")) == originals
+    for name in originals:  # copied as they are, except the copy that was already there
+        same = (lab.root / name).read_bytes() == (REPO / "notebooks" / name).read_bytes()
+        assert same == (name != NB), name
+    assert "epochs = 6" in (lab.root / NB).read_text()  # not overwritten by make lab
+    overrides = json.loads((VENV / "share/jupyter/lab/settings/overrides.json").read_text())
+    assert overrides["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
+    assert not _git_status(lab.root), "make lab's LAB_DIR must be git-ignored"
+
+
 def test_run_all_shows_live_panel_plot_and_final_curves(lab, page):
-    with_parameters(REPO / "notebooks" / NB, lab.root / NB, run_dir="runs/ddp", epochs=6, **SMALL)
     _open(page, lab, NB)
     _menu(page, "Run", "Run All Cells")
 
@@ -224,6 +251,11 @@ def test_run_all_shows_live_panel_plot_and_final_curves(lab, page):
     outputs = [o for c in saved["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
     assert not [o for o in outputs if o["output_type"] == "error"]
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
+    # make lab's overrides: JupyterLab never asked about its news over the notebook.
+    assert page.get_by_text("official Jupyter news").count() == 0
+    # Run All, the widget state and Ctrl+S went to the copy: the clone is as it was.
+    assert _git_status("notebooks") == lab.notebooks_status
+    assert not _git_status(lab.root)
 
 
 def test_dark_theme_four_nodes_and_stop_button_ends_every_process(lab, page):

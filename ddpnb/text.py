@@ -1,0 +1,72 @@
+"""Long shell command lines, printed one option per line with ``\\`` continuations."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+WIDTH = 88  # longer lines are split; a notebook's output area wraps at about this width
+INDENT = "    "
+_ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # NAME=value before a command (env, export)
+
+
+def _is_option(token: str) -> bool:
+    return token.lstrip("'\"").startswith("-")
+
+
+def _groups(tokens: list[str]) -> list[list[str]]:
+    """Tokens grouped into lines: an option with its separate value (``-o X``, ``--config
+    PATH``), an environment assignment, or a run of plain words (``cd DIR && exec env``)."""
+    groups: list[list[str]] = []
+    for token in tokens:
+        prev = groups[-1][-1] if groups else None
+        if prev is None or _is_option(token):
+            groups.append([token])
+        elif _is_option(prev) and "=" not in prev:  # the option's separate value
+            groups[-1].append(token)
+        elif _ENV.match(token) or _is_option(prev) or _ENV.match(prev):
+            groups.append([token])  # an assignment; what follows --a=b or the assignments
+        else:
+            groups[-1].append(token)
+    return groups
+
+
+def wrap_command(line: str, width: int = WIDTH) -> str:
+    """One command line, split into one option per line with ``\\`` continuations when it
+    is longer than ``width``; each part stays whole (``--master_addr=10.0.0.1``, a quoted
+    argument). A trailing ``  # comment`` stays on the last line. Pasted into a shell, the
+    result runs the same command.
+
+    Example
+    -------
+    >>> print(wrap_command("torchrun --nnodes=2 --node_rank=0 train.py", width=20))
+    torchrun \\
+        --nnodes=2 \\
+        --node_rank=0 \\
+        train.py
+    """
+    if len(line) <= width or line.lstrip().startswith("#"):
+        return line
+    margin = line[: len(line) - len(line.lstrip())]
+    command, sep, comment = line.strip().partition("  # ")
+    lexer = shlex.shlex(command, posix=False)
+    lexer.whitespace_split, lexer.commenters = True, ""
+    try:
+        tokens = list(lexer)
+    except ValueError:  # unbalanced quotes: not a command line we can split safely
+        return line
+    lines = [" ".join(group) for group in _groups(tokens)]
+    out = [margin + lines[0]] + [margin + INDENT + part for part in lines[1:]]
+    out[-1] += sep + comment
+    return " \\\n".join(out)
+
+
+def wrap_commands(text: str, width: int = WIDTH) -> str:
+    """Every line of ``text`` that is longer than ``width`` through :func:`wrap_command`;
+    comments and short lines as they are. For printing node commands in a notebook.
+
+    Example
+    -------
+    >>> print(wrap_commands(ddpnb.cluster.format_node_commands(hosts, commands)))  # doctest: +SKIP
+    """
+    return "\n".join(wrap_command(line, width) for line in text.splitlines())
