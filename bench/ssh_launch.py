@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from sshhosts import ssh_hosts  # noqa: E402
+from sshhosts import IFNAME, ssh_hosts  # noqa: E402
 
 import ddpnb  # noqa: E402
 from ddpnb.metrics import read_progress  # noqa: E402
@@ -51,7 +51,8 @@ def first_step(run_dir: Path, start: float, procs=(), limit: float = 120) -> flo
 def by_hand(hosts, cfg, run_dir: Path, port: int) -> float:
     ddpnb.write_worker(cfg, run_dir)  # the user copied these beforehand
     lines = ddpnb.node_commands(cfg, run_dir, hosts=hosts.addrs, master_port=port)
-    env = {**hosts.env, "OMP_NUM_THREADS": "1"}
+    # By hand the user names the interface: the hosts' name resolves to loopback here.
+    env = {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1"}
     start = time.time()
     procs = []
     for name, line in zip(hosts.names, lines):
@@ -100,7 +101,6 @@ def with_ddpnb(hosts, cfg, run_dir: Path) -> float:
         run_dir,
         hosts=hosts.names,
         ssh_config=hosts.ssh_config,
-        env=hosts.env,
         progress="none",
         wait=False,
     )

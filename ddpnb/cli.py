@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     cmds.add_argument("--node-rank", type=int)
 
     _submit_parser(sub)
+    _check_hosts_parser(sub)
     attach = sub.add_parser("attach", help="follow a submitted Slurm job again (Ctrl-C cancels it)")
     attach.add_argument("run_dir")
 
@@ -262,6 +263,62 @@ def _submit_script(script, run_dir: str, args: argparse.Namespace, kwargs: dict)
         progress="text",
         **{name: getattr(args, name) for name in SLURM_HELP},
     )
+
+
+def _check_hosts_parser(sub) -> argparse.ArgumentParser:
+    from .remote import check_hosts
+
+    check = sub.add_parser(
+        "check-hosts",
+        help="prove real hosts can run a job: logins, torch, the network (exit 1 on problems)",
+        description="Ask every host (login, interpreter, torch) and prove the network: node 0's "
+        "address and port from every host, every pair on the ports the collectives use, each "
+        "host's interface toward node 0. Starts no training. Exit 0: ready; 1: problems, each "
+        "named with its fix; 2: bad arguments.",
+    )
+    check.add_argument("--hosts", required=True, type=lambda t: [h for h in t.split(",") if h])
+    for name, help_ in {
+        "ssh_config": HOSTS_HELP["ssh_config"],
+        "ssh_options": HOSTS_HELP["ssh_options"],
+        "python": HOSTS_HELP["python"],
+        "nproc_per_node": LAUNCH_HELP["nproc_per_node"],
+        "master_addr": LAUNCH_HELP["master_addr"],
+        "master_port": "node 0's rendezvous port to prove",
+    }.items():
+        _option(check, check_hosts, name, help_)
+    check.add_argument(
+        "--data", help="also check this dataset (the tutorial worker's) on every host"
+    )
+    return check
+
+
+def _check_hosts(args: argparse.Namespace) -> int:
+    from .errors import HostError
+    from .remote import check_hosts
+
+    config = None
+    if args.data:
+        from .config import TrainConfig
+
+        config = TrainConfig(data_dir=args.data)
+    try:
+        rows = check_hosts(
+            config,
+            args.hosts,
+            nproc_per_node=args.nproc_per_node,
+            ssh_config=args.ssh_config,
+            ssh_options=args.ssh_options,
+            python=args.python,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+        )
+    except HostError as e:
+        print(f"ddpnb check-hosts: {e}", file=sys.stderr)
+        return 1
+    print(rows)
+    text = rows.network.table()
+    print(text[text.index("node 0 at") :])  # the interfaces chosen, and why
+    return 0
 
 
 def _submit_parser(sub) -> argparse.ArgumentParser:
@@ -557,6 +614,8 @@ def _run(args: argparse.Namespace) -> int:
         return _train(args)
     if args.command == "run":
         return _run_script(args)
+    if args.command == "check-hosts":
+        return _check_hosts(args)
     if args.command == "submit":
         return _submit(args)
     if args.command == "attach":

@@ -33,8 +33,10 @@ from .diagnosis import log_tail, resume_hint
 from .errors import ConfigError, HostError, LaunchError, NodeLost, RunFailed
 from .job import Job, Processes, open_lifeline
 from .log import logger
+from .network import check_network
 from .plan import Plan
 from .preflight import as_config, check_run
+from .report import Table
 from .rundir import PRODUCTS
 from .script import Script
 from .ssh import (
@@ -128,9 +130,22 @@ class Hosts:
         _check_remote_dirs(self.ssh, self.parsed, self.python, self.dirs, self.shared, names, plan)
         addr = plan.topology.master_addr
         master_addr = addr if addr != "127.0.0.1" else self.ssh.hostname(self.parsed[0])
-        return dataclasses.replace(
+        topology = dataclasses.replace(
             plan.topology, master_addr=master_addr, master_port=probes[0].report["port"]
         )
+        # The network, proven: every host reaches node 0 and every peer; each gets its
+        # interface toward node 0 unless the user set one (a NetworkError names the rest).
+        self.network = check_network(
+            self.ssh,
+            self.parsed,
+            self.python,
+            master_addr=master_addr,
+            master_port=topology.master_port,
+            backend=_ifname_backend(config),
+            user_env={**forwarded_env(os.environ), **plan.env},
+        )
+        logger.info("network check:\n%s", self.network.table())
+        return topology
 
     def start(self, plan) -> Job:
         topology, run_dir, payload = plan.topology, plan.run_dir, plan.script.payload()
@@ -154,7 +169,7 @@ class Hosts:
         try:
             for n, host in enumerate(self.parsed):
                 env = plan.node_env(self.dirs[n], topology.nproc_per_node, self.cpus[n])
-                env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **env}
+                env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **self.network.env(n), **env}
                 cmd, shown = agent_command(
                     self.ssh, host, self.python, self.dirs[n], topology, n, env, plan.script
                 )
@@ -271,6 +286,11 @@ def _preflight(
     return probes
 
 
+def _ifname_backend(config) -> str:
+    """Which interface variables a run needs: gloo's only, or NCCL's too (GPUs, or unknown)."""
+    return "gloo" if config is not None and config.backend == "gloo" else "nccl"
+
+
 def check_hosts(
     config: TrainConfig | Mapping | None,
     hosts: Sequence[str],
@@ -279,47 +299,72 @@ def check_hosts(
     ssh_config: str | os.PathLike | None = None,
     ssh_options: Sequence[str] = (),
     python: str | None = None,
-) -> list[dict]:
-    """The preflight of ``launch(hosts=...)``, starting nothing: one row per host.
+    master_addr: str | None = None,
+    master_port: int = 29500,
+) -> Table:
+    """The preflight of ``launch(hosts=...)``, starting no training: a row per host.
 
-    ``config``: the worker's TrainConfig (its dataset is checked on every host), or
-    None for your own script. Raises :class:`~ddpnb.errors.HostError` naming every
-    host that cannot run the job. With ``run_dir`` (an existing folder here) each row
-    says whether that host sees it.
+    Every host is asked (login, interpreter, torch, the dataset when ``config`` is the
+    worker's TrainConfig; None for your own script), then the network is proven
+    (:func:`ddpnb.network.check_network`): ``master_addr`` (default: the first host's
+    address) from every host, node 0's port from every host, every pair on the ports
+    the collectives use, and each host's interface toward node 0. Raises
+    :class:`~ddpnb.errors.HostError` (or its :class:`~ddpnb.errors.NetworkError`)
+    naming every host or pair that cannot run the job, and the fix. With ``run_dir``
+    (an existing folder here) each row says whether that host sees it.
 
     Example
     -------
-    >>> check_hosts(TrainConfig(data_dir="/data/digits"), ["gpu1", "gpu2"])  # doctest: +SKIP
-    [{'node_rank': 0, 'host': 'gpu1', 'address': '10.0.0.1', 'torch': '2.14.1', ...}, ...]
+    >>> print(check_hosts(None, ["gpu1", "gpu2"]))                  # doctest: +SKIP
+    node  host  address   interface  reaches node 0  mesh  torch   ...
     """
     parsed = parse_hosts(hosts)
     ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
     python = python or sys.executable
     data_dir = None
     if config is not None:
-        config = check_run(
-            as_config(config), Topology(len(parsed), nproc_per_node, "hosts", 1), here=False
-        )
+        topology = Topology(len(parsed), nproc_per_node, "hosts", 1)
+        config = check_run(as_config(config), topology, here=False)
         data_dir = config.data_dir
     folder = Path(run_dir) if run_dir is not None else None
     if folder is None or not folder.is_dir():
         folder = Path(tempfile.mkdtemp(prefix="ddpnb-check-"))  # no host sees a fresh folder here
     gpus = config is not None and config.backend == "nccl"
-    probes = _preflight(ssh, parsed, python, data_dir, folder, nproc_per_node, None, gpus)
-    if run_dir is None or folder != Path(run_dir):
-        folder.rmdir()
-    keys = ("hostname", "python", "torch", "torchvision", "cpus", "gpus")
-    return [
-        {
-            "node_rank": n,
+    try:
+        probes = _preflight(ssh, parsed, python, data_dir, folder, nproc_per_node, None, gpus)
+    finally:
+        if run_dir is None or folder != Path(run_dir):
+            folder.rmdir()
+    network = check_network(
+        ssh,
+        parsed,
+        python,
+        master_addr=master_addr or ssh.hostname(parsed[0]),
+        master_port=master_port,
+        backend=_ifname_backend(config),
+        user_env=forwarded_env(os.environ),
+    )
+    rows = Table()
+    for n, (p, net) in enumerate(zip(probes, network.rows)):
+        row = {
+            "node": n,
             "host": p.host.spec,
-            "address": ssh.hostname(p.host),
-            **{k: p.report.get(k) for k in keys},
-            "dataset": (p.report["fingerprint"] or "")[:12] or None,
-            "sees_run_dir": p.report["shared"] if run_dir is not None else None,
+            "address": net.address,
+            "interface": net.interface,
+            "reaches node 0": net.reaches_node0,
+            "mesh": net.mesh,
+            "versions": net.versions,
+            "cpus": p.report.get("cpus"),
         }
-        for n, p in enumerate(probes)
-    ]
+        if gpus:
+            row["gpus"] = p.report.get("gpus")
+        if data_dir:
+            row["dataset"] = (p.report["fingerprint"] or "")[:12]
+        if run_dir is not None:
+            row["sees run_dir"] = p.report["shared"]
+        rows.append(row)
+    rows.network = network  # the interfaces chosen, and why: print(rows.network)
+    return rows
 
 
 def _check_remote_dirs(

@@ -37,7 +37,6 @@ class SshHosts:
     bridge: str
     links: list[str]  # each host's bridge-side interface (down = the cable is pulled)
     sshd_pids: dict[str, int]  # alias -> pid of its sshd (its own listener only)
-    env: dict[str, str]  # what the workers need on these hosts
     # second_network=True: a second bridge, each host's TRAIN_IFNAME on it at train_addrs[n].
     train_addrs: list[str] = dataclasses.field(default_factory=list)
     train_bridge: str | None = None
@@ -224,7 +223,6 @@ def ssh_hosts(tmp: Path, tag: int, count: int = 2, second_network: bool = False)
             bridge=bridge,
             links=links,
             sshd_pids={name: p.pid for name, p in procs.items()},
-            env={"GLOO_SOCKET_IFNAME": IFNAME},
             train_addrs=train_addrs,
             train_bridge=train_bridge,
         )

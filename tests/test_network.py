@@ -195,3 +195,52 @@ def test_loopback_master_addr_is_named_unless_every_node_is_one_host(hosts):
     report = check_network(ssh, one, sys.executable, master_addr="127.0.0.1", master_port=29637)
     assert [r.interface for r in report.rows] == ["lo", "lo"] and report.ok
     assert not _no_leftovers(hosts)
+
+
+# -- the check as part of launch(hosts=...) and `ddpnb check-hosts` ---------------------------
+
+OWN = Path(__file__).with_name("own")
+
+
+def _own_script(hosts, run_dir, **kwargs):
+    import ddpnb
+
+    script = ddpnb.Script(OWN / "linear.py", args=["1", "net"], files=[OWN / "datautils.py"])
+    return ddpnb.launch(
+        script, run_dir, hosts=hosts.names[:2], ssh_config=hosts.ssh_config, progress="none",
+        **kwargs,
+    )  # fmt: skip
+
+
+def test_two_networks_a_script_trains_on_the_interface_of_master_addr(hosts, tmp_path):
+    # SSH and the default route on ddpnb0, master_addr on ddpnb1: nobody sets an interface.
+    with default_route(hosts):
+        job = _own_script(hosts, tmp_path / "run", master_addr=hosts.train_addrs[0])
+    assert [r["epoch"] for r in job.metrics.epochs] == [1]
+    for n in (0, 1):  # the command each host ran names the interface the check chose
+        command = "\n".join(job.log_paths[n].read_text().splitlines()[:2])
+        assert f"GLOO_SOCKET_IFNAME={TRAIN_IFNAME}" in command, command
+    assert (tmp_path / "run" / "model.pt").is_file()
+    assert not _no_leftovers(hosts)
+
+
+def test_launch_names_a_dropped_rendezvous_port_before_training(hosts, nft, tmp_path):
+
+    port = 29637
+    nft(1, f"table inet ddpnbtest {{\n chain out {{\n type filter hook output priority 0\n"
+           f"tcp dport {port} drop\n }}\n}}\n")  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(NetworkError, match=f"hostb cannot reach node 0.*:{port}"):
+        _own_script(hosts, tmp_path / "run", master_port=port)
+    assert time.monotonic() - started < 30
+    assert not list((tmp_path / "run" / "logs").glob("node-*.log"))  # no torchrun started
+    assert not _no_leftovers(hosts)
+    cli = [sys.executable, "-m", "ddpnb", "check-hosts", "--hosts", ",".join(hosts.names[:2]),
+           "--ssh-config", str(hosts.ssh_config)]  # fmt: skip
+    bad = subprocess.run([*cli, "--master-port", str(port)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "timed out (a firewall drops it)" in bad.stderr, bad.stderr
+    good = subprocess.run([*cli, "--master-port", str(port + 1)], capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    assert "reaches node 0" in good.stdout and f"GLOO_SOCKET_IFNAME={IFNAME}" in good.stdout
+    usage = subprocess.run([*cli, "--master-port", "x"], capture_output=True, text=True)
+    assert usage.returncode == 2
