@@ -119,7 +119,8 @@ def slurm_script(
     max_restarts: int = 0,
     rdzv_timeout: int = 300,
     marker: str | None = None,
-    batch_log: str = "%x-%j.out",
+    network_check: bool = False,
+    batch_log: str | None = "%x-%j.out",
     env: Mapping[str, str] | None = None,
 ) -> str:
     """An sbatch script that runs the worker with one torchrun per node (c10d rendezvous).
@@ -133,6 +134,11 @@ def slurm_script(
     Each node's output goes to ``run_dir/logs/node-N.log``, lines prefixed by rank;
     the script's own to ``batch_log`` (in the submit directory unless absolute; its
     folder must exist before the job starts). ``env`` is exported to every node.
+    ``network_check``: the job's first step runs ``ddpnb_meshcheck.py`` (which must be in
+    ``run_dir``) on every node: each reaches the first node's rendezvous port and every
+    peer, or the job stops at once (exit 96) with the problems named in the batch log;
+    each node's interface toward the first node becomes its ``GLOO_SOCKET_IFNAME`` (and
+    NCCL's) unless set.
 
     Example
     -------
@@ -151,9 +157,11 @@ def slurm_script(
         f"--nodes={topology.nnodes}",
         "--ntasks-per-node=1",
         f"--time={time_limit}",
-        f"--output={batch_log}",  # the batch script's own output; Slurm opens it first
         "--open-mode=append",  # a requeued job adds to its logs
     ]
+    # The batch script's own output, which Slurm opens first (None: given to sbatch itself,
+    # as a #SBATCH line cannot hold a path with spaces).
+    options += [f"--output={batch_log}"] if batch_log else []
     options += [f"--partition={partition}"] if partition else []
     options += [f"--account={account}"] if account else []
     options += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
@@ -179,6 +187,18 @@ be on a filesystem shared by the submit host and every node." >&2; exit 97; }}' 
     args += script.command(str(run_dir))
     torchrun = " \\\n    ".join(_batch_word(a) for a in args)
     exports = "".join(f"export {k}={q(v)}\n" for k, v in (env or {}).items())
+    network = ""
+    if network_check:
+        checker = q(python or "python3")
+        network = f"""# The network, proven before training: every node reaches the first node's port and
+# every peer, on its interface toward the first node (written to logs/net-env-N.sh for
+# torchrun below). A node that cannot stops the job at once (exit 96), named in this log.
+srun --ntasks-per-node=1 bash -c '"$@" --node-rank "$SLURM_NODEID" \\
+    --env-file "$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh" || exit 96' bash \\
+    {checker} "$DDPNB_RUN_DIR/ddpnb_meshcheck.py" --nnodes "$SLURM_NNODES" \\
+    --master-addr "$head_node" --master-port "{port}" --timeout 20 --backend gloo
+
+"""
     text = f"""#!/bin/bash
 {header}
 
@@ -197,7 +217,7 @@ export {RUN_DIR_ENV}={q(str(run_dir))} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
 # srun starts one task per node. Its options, set as its environment variables: stop
 # every node when one fails; each node's output to logs/node-N.log (N: the node's index
 # in the job), appended to after a requeue.
-export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
+{network}export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
 export SLURM_STDOUTMODE={q(str(run_dir / "logs" / "node-%n.log"))}
 # Each node names its own address (Slurm's NodeAddr) and the first node says it hosts the
 # store (torchrun reads PET_<OPTION> as that option): torchrun would otherwise go by the
@@ -206,6 +226,7 @@ srun bash -c 'addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAdd
 export PET_LOCAL_ADDR="${{addr:-$SLURMD_NODENAME}}"
 export PET_RDZV_CONF="join_timeout={topology.rdzv_timeout},is_host=$((SLURM_NODEID == 0))"
 export PET_LOG_DIR="$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"
+net="$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$net"; fi
 exec "$@"' bash {launcher} \\
     {torchrun}
 """

@@ -29,6 +29,14 @@ from .errors import ConfigError, NetworkError
 from .ssh import Host, Ssh, _explain, remote_line
 
 CHECK_TIMEOUT = 20.0  # seconds the whole check may take, whatever hangs
+#: What the check fills in for each host: the columns of its table, and what each proves.
+CHECKS = {
+    "address": "where the peers reach this host (its address toward node 0)",
+    "interface": "the interface its traffic to node 0 takes (ip route get): its GLOO/NCCL_SOCKET_IFNAME",
+    "reaches node 0": "a TCP connection to master_addr:master_port: ok, refused, timed out, no route",
+    "mesh": "a TCP connection to every other host's ephemeral port, as gloo and NCCL make",
+    "versions": "torch, CUDA and NCCL, compared with node 0's",
+}
 AGENT_SOURCE = Path(meshcheck.__file__).read_text()
 
 

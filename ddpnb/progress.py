@@ -251,13 +251,15 @@ class WidgetProgress:
             hosts = getattr(self.job, "hosts", None)  # real hosts (SSH): name each node's
             if hosts:
                 role = f" on {escape(hosts[n])}{role}"
-            last = escape(self.job.last_line(n)[-120:])
+            last = escape(self.job.last_line(n)[-90:])  # the node's latest output line
             html = (
                 f"<span style='display:inline-block;min-width:5.5em'>node {n}</span> "
                 f"<span style='background:{color};color:white;border-radius:3px;padding:0 6px;"
                 f"display:inline-block;min-width:5em;text-align:center'>{state}</span> "
                 f"<span style='opacity:0.8'>ranks {ranks.start}-{ranks.stop - 1}{role}</span>"
-                f"<br><code class='ddpnb-last-line' style='opacity:0.7;font-size:85%'>{last}</code>"
+                f" <code class='ddpnb-last-line' style='opacity:0.7;font-size:85%;"
+                "white-space:nowrap;overflow:hidden;text-overflow:ellipsis;display:inline-block;"
+                f"max-width:42em;vertical-align:bottom'>{last}</code>"
             )
             if self.node_rows[n].value != html:
                 self.node_rows[n].value = html

@@ -16,6 +16,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 REPORTING_NAME = "ddpnb_reporting.py"
+MESHCHECK_NAME = "ddpnb_meshcheck.py"  # the network check a Slurm job runs first
 REPORTING_PATH = Path(__file__).with_name("reporting.py")
 
 
@@ -70,13 +71,14 @@ class Script:
                 f"{', '.join(missing)}: no such file. Pass the path of the script "
                 "(and of each file it needs) as it is on this machine."
             )
-        names = [self.name, *(p.name for p in paths[1:]), *self.generated, REPORTING_NAME]
+        names = [self.name, *(p.name for p in paths[1:]), *self.generated]
+        names += [REPORTING_NAME, MESHCHECK_NAME]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ConfigError(
                 f"Two files would land in the run directory as {', '.join(twice)}: the script "
-                f"and its files are copied there under their own names (and {REPORTING_NAME} "
-                "is ddpnb's). Rename one of them."
+                f"and its files are copied there under their own names ({REPORTING_NAME} and "
+                f"{MESHCHECK_NAME} are ddpnb's). Rename one of them."
             )
 
     def payload(self) -> dict[str, bytes]:

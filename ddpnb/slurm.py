@@ -33,6 +33,7 @@ from .diagnosis import failed_ranks, log_tail, resume_hint
 from .errors import (
     ConfigError,
     LaunchError,
+    NetworkError,
     RunDirNotShared,
     RunFailed,
     SlurmError,
@@ -45,17 +46,19 @@ from .log import logger
 from .metrics import read_progress
 from .preflight import check_progress
 from .rundir import WORKER_NAME
-from .script import Script
+from .script import MESHCHECK_NAME, Script
 from .topology import Topology
 
 POLL_SECONDS = 2.0  # between questions to slurmctld: a shared service, asked gently
 FILE_POLL_SECONDS = 0.5  # between reads of the run directory (progress, metrics)
 STOP_TIMEOUT = 60.0  # scancel: Slurm's KillWait plus its epilog, with room to spare
 FIRST_NODE = "<first node>"  # the rendezvous host until Slurm names it
+MESHCHECK_PATH = Path(__file__).with_name("meshcheck.py")
 JOB_FILE = "slurm_job.json"  # what attach() needs: the job id, the shape, the cluster
 SCRIPT_NAME = "train.sbatch"
 MARKER_NAME = ".ddpnb-submit-marker"
 NOT_SHARED_EXIT = 97  # the batch script's exit code when a node cannot see the marker
+NETWORK_EXIT = 96  # ... when the network check of its first step failed
 # States in which the job may still run (or run again, after a requeue).
 ALIVE = {
     "PENDING",
@@ -377,6 +380,12 @@ class SlurmNodes:
                 "/home or /scratch on most clusters); choose such a run_dir.",
                 log_tail=_read_tail(self.batch_log(), 10),
             )
+        if exit_code == NETWORK_EXIT:
+            return NetworkError(
+                f"Slurm job {self.job_id} stopped before training: the network check of its "
+                f"first step failed. From the batch log ({self.batch_log()}):\n"
+                + _read_tail(self.batch_log(), 30)
+            )
         if state == "FAILED":
             if not any(p.exists() for p in (self.run_dir / "logs").glob("node-*.log")):
                 error.args = (
@@ -517,6 +526,7 @@ class Batch:
         o, run_dir, topology = self.options, plan.run_dir, plan.topology
         token = secrets.token_hex(16)
         (run_dir / MARKER_NAME).write_text(token + "\n")
+        (run_dir / MESHCHECK_NAME).write_bytes(MESHCHECK_PATH.read_bytes())
         slurm_script(
             plan.script,
             run_dir,
@@ -532,10 +542,12 @@ class Batch:
             max_restarts=topology.max_restarts,
             rdzv_timeout=topology.rdzv_timeout,
             marker=token,
-            batch_log=str(run_dir / "logs" / "slurm-%j.out"),
+            network_check=True,
+            batch_log=None,  # on sbatch's command line: the run directory may hold spaces
             env=plan.env,
         )
-        argv = ["sbatch", "--parsable", *o["sbatch_args"], str(run_dir / SCRIPT_NAME)]
+        output = f"--output={run_dir / 'logs' / 'slurm-%j.out'}"
+        argv = ["sbatch", "--parsable", output, *o["sbatch_args"], str(run_dir / SCRIPT_NAME)]
         submitted_at = _time_now()
         job_id = _submit(argv, run_dir, self.env).strip().split(";")[0]
         logger.info(

@@ -382,3 +382,36 @@ def test_notebook_08_without_slurm_prints_the_script(digits_data, tmp_path):
     text = out.read_text()
     assert "#SBATCH --nodes=2" in text and "bash torchrun" in text and "sbatch " in text
     assert json.loads((tmp_path / "08_summary.json").read_text())["slurm"] is False
+
+
+# -- your own script ---------------------------------------------------------------------------
+
+OWN = Path(__file__).with_name("own")
+
+
+def test_your_own_script_runs_as_a_batch_job(slurm, tmp_path):
+    from ddpnb import Script
+
+    script = Script(OWN / "linear.py", args=["2", "a b 'c'"], files=[OWN / "datautils.py"])
+    job = submit_slurm(script, tmp_path / "own run", nnodes=2, progress="text")
+    run = job.run_dir
+    assert job.node_status() == {0: "done", 1: "done"}
+    assert [r["epoch"] for r in job.metrics.epochs] == [1, 2]  # reported by the script
+    assert (run / "model.pt").is_file()  # what rank 0 wrote in its working directory
+    assert "args ['2', \"a b 'c'\"]" in (run / "logs" / "node-0.log").read_text()
+    # The job's first step proved the network and chose each node's interface.
+    assert "reaches node 0 and all 1 peer(s)" in job.batch_log().read_text()
+    assert sorted(p.name for p in (run / "logs").glob("net-env-*.sh")) == [
+        "net-env-0.sh",
+        "net-env-1.sh",
+    ]
+
+
+def test_your_own_script_failing_on_slurm_gives_its_traceback(slurm, tmp_path):
+    from ddpnb import Script
+
+    with pytest.raises(WorkerFailed) as info:
+        submit_slurm(Script(OWN / "fails.py"), tmp_path / "fails", nnodes=2, progress="none")
+    err = info.value
+    assert err.global_rank == 1 and err.exit_code == 1
+    assert 'fails.py", line 12, in train_step' in err.traceback

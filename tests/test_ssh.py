@@ -291,7 +291,8 @@ def _run_notebook_07(tmp_path, **params):
 def test_notebook_07_with_no_hosts_teaches_and_starts_nothing(tiny_data, tmp_path):
     summary, text = _run_notebook_07(tmp_path, data_dir=str(tiny_data))
     assert summary == {"hosts": [], "world_size": 0}
-    assert "ssh -o BatchMode=yes" in text and "--node_rank=1" in text  # the commands shown
+    assert "-o BatchMode=yes" in text and "--node_rank=1" in text  # the commands shown
+    assert "reaches node 0" in text and "what it proves" in text  # what the check would do
     assert "nothing was started" in text and not (tmp_path / "runs").exists()
 
 
@@ -310,5 +311,27 @@ def test_notebook_07_on_two_hosts(hosts, tiny_data, layout_run, tmp_path):
     )
     assert summary["hosts"] == hosts.names and summary["world_size"] == 2
     assert summary["epochs"] == 2 and 0 <= summary["val_acc"] <= 1
-    assert "'host': 'hostb'" in text  # the preflight's rows
+    assert "hostb" in text and "reaches node 0" in text  # the preflight's table
+    assert "GLOO_SOCKET_IFNAME=ddpnb0" in text  # the interface each host got, and why
+    assert not _no_leftovers(hosts)
+
+
+OWN = Path(__file__).with_name("own")
+
+
+def test_your_own_script_on_hosts_without_the_shared_filesystem(hosts, tmp_path):
+    run = hosts.private_root / f"own-{os.getpid()}"
+    try:
+        script = ddpnb.Script(OWN / "linear.py", args=["2", "x y"], files=[OWN / "datautils.py"])
+        job = ddpnb.launch(
+            script, run, hosts=hosts.private, ssh_config=hosts.ssh_config, progress="none"
+        )
+        assert job.backend.shared == [False, False]
+        assert (run / "model.pt").is_file()  # written on node 0's host, brought back
+        assert [r["epoch"] for r in job.metrics.epochs] == [1, 2]
+        assert "args ['2', 'x y']" in (run / "logs" / "node-1.log").read_text()
+        listing = hosts.in_private(1, ["ls", str(run)])  # the files were copied out
+        assert {"linear.py", "datautils.py", "ddpnb_reporting.py"} <= set(listing.stdout.split())
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
     assert not _no_leftovers(hosts)
