@@ -1,0 +1,739 @@
+"""Watch a DDP script from inside its worker processes, without editing it.
+
+``ddpnb check-script`` loads this file into every worker torchrun starts: a
+``sitecustomize.py`` on ``PYTHONPATH`` imports it (as ``_ddpnb_observe``) and calls
+:func:`activate` before the script's first line. When the script imports torch, hooks
+record what a DDP run's correctness depends on, one JSON object per line in
+``$DDPNB_OBSERVE/rank-<RANK>.jsonl``:
+
+- ``init_process_group``: its ``init_method``, ``rank`` and ``world_size`` beside
+  torchrun's ``RANK``/``WORLD_SIZE``; writes of ``MASTER_ADDR`` and friends to ``os.environ``;
+- the construction of ``DistributedDataParallel``, of every ``DataLoader`` and
+  ``DistributedSampler``, and ``set_epoch``;
+- every pass over a DataLoader or a DistributedSampler: the sample indices drawn, whether
+  gradients were on, how many optimizer steps it fed (a pass that feeds steps is training);
+- every optimizer step, with a checksum of the parameters after steps 1, 2 and the last;
+- ``torch.save`` paths; CUDA device choices (``set_device``, ``Module.to``, ``device_ids``).
+
+Each record names the line of the user's script that made the call. The check also
+ends the script: a few optimizer steps into its second epoch, or after a time bound,
+every rank stops at the same optimizer step (a stop file in the folder says which one;
+ranks in a DDP run are never more than one step apart) and exits with status 0. A rank
+that cannot reach that step (blocked in a collective) is ended by a watchdog thread.
+
+torch and the standard library only. The hooks change nothing the script computes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import importlib.abc
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import threading
+import time
+
+DIR_ENV = "DDPNB_OBSERVE"  # the folder for the records; unset: nothing is observed
+STEPS_ENV = "DDPNB_OBSERVE_STEPS"  # optimizer steps into the second epoch before stopping
+SECONDS_ENV = "DDPNB_OBSERVE_SECONDS"  # seconds of training (from the first step) at most
+TIMEOUT_ENV = "DDPNB_OBSERVE_TIMEOUT"  # seconds a worker may live at most
+OWNER_ENV = "DDPNB_OBSERVE_OWNER"  # the observed process's pid: its children are not observed
+STOP_FILE = "stop.json"
+GRACE_SECONDS = 8.0  # after a stop is requested, a rank still running is ended
+EPOCH_WAIT_SECONDS = 3.0  # how long a rank that ended an epoch waits for the others to end it
+MAX_INDICES = 200_000  # indices kept per pass (beyond that, only counted)
+CHECKSUM_STEPS = (1, 2)
+ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_object", "gather", "gather_object")
+
+_state = None  # the _Observer of this process, once activated
+
+
+def activate() -> None:
+    """Start observing this process, if it is a worker of a checked run (else do nothing)."""
+    global _state
+    folder = os.environ.get(DIR_ENV)
+    if not folder or "RANK" not in os.environ or _state is not None:
+        return
+    owner = os.environ.get(OWNER_ENV)
+    if owner and owner != str(os.getpid()):
+        return  # a process the worker started (a DataLoader worker, a subprocess)
+    os.environ[OWNER_ENV] = str(os.getpid())
+    _state = _Observer(folder)
+    if "torch" in sys.modules:
+        _state.install(sys.modules["torch"])
+    else:
+        sys.meta_path.insert(0, _AfterTorch())
+    threading.Thread(target=_state.watch, name="ddpnb-observe", daemon=True).start()
+    atexit.register(_state.finish, "exit")
+    _state.previous_excepthook = sys.excepthook
+    sys.excepthook = _state.excepthook
+    _patch_environ()
+
+
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    """Installs the hooks right after ``import torch`` finishes (the script's own import)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _state.install(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+class _Pass:
+    """One pass over a DataLoader or a DistributedSampler: what it drew and what it fed."""
+
+    counter = 0
+
+    def __init__(self, source: str, obj_id: str, grad: bool, training) -> None:
+        _Pass.counter += 1
+        self.id = _Pass.counter
+        self.source, self.obj_id, self.grad, self.training = source, obj_id, grad, training
+        self.expected: int | None = None  # len(loader): the batches it holds
+        self.subsets: list = []  # the index lists of the Subsets around the loader's dataset
+        self.indices: list[int] = []
+        self.n = self.batches = self.steps = 0
+        self.sizes: list[int] = []  # the smallest and largest batch
+        self.exhausted = False
+
+    def add(self, idx) -> None:
+        batch = idx if isinstance(idx, list) else [idx]
+        self.batches += 1
+        self.n += len(batch)
+        lo, hi = self.sizes or (len(batch), len(batch))
+        self.sizes = [min(lo, len(batch)), max(hi, len(batch))]
+        if len(self.indices) < MAX_INDICES:
+            self.indices.extend(int(i) for i in batch if isinstance(i, int))
+
+    def record(self) -> dict:
+        return {
+            "kind": "pass",
+            "pass": self.id,
+            "source": self.source,
+            "obj": self.obj_id,
+            "grad": self.grad,
+            "training": self.training,
+            "expected": self.expected,
+            "indices": _levels(self.indices, self.subsets) if self.source == "loader" else None,
+            "n": self.n,
+            "batches": self.batches,
+            "batch_sizes": self.sizes,
+            "steps": self.steps,
+            "exhausted": self.exhausted,
+        }
+
+
+def _levels(indices: list[int], subsets: list) -> list[list[int]]:
+    """The indices as the loader's dataset numbers them, then as each dataset inside it does."""
+    out = [indices]
+    for chosen in subsets:
+        try:
+            out.append([int(chosen[i]) for i in out[-1]])
+        except (IndexError, TypeError):
+            break
+    return out
+
+
+def _subsets(dataset, subset_type) -> tuple[list, list[dict]]:
+    """The Subsets' index lists from the outside in, and each level's size and identity."""
+    chosen, layers = [], []
+    while True:
+        if isinstance(dataset, subset_type):
+            ids = dataset.indices
+            digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:12]
+            layers.append({"len": len(ids), "id": digest})
+            chosen.append(ids)
+            dataset = dataset.dataset
+            continue
+        layers.append({"len": _dataset_len(dataset), "id": type(dataset).__name__})
+        return chosen, layers
+
+
+class _Observer:
+    """This worker's records, its passes, and the stop."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.rank = int(os.environ["RANK"])
+        self.t0 = time.monotonic()
+        self.lock = threading.RLock()
+        self.pid = os.getpid()
+        self.file = open(os.path.join(folder, f"rank-{self.rank}.jsonl"), "a", buffering=1)
+        self.user_dir: str | None = None
+        self.user_files: dict[str, str | None] = {}
+        self.ids: dict[str, int] = {}
+        self.open_passes: dict[str, _Pass] = {}
+        self.current: _Pass | None = None  # the pass whose batches the next step trains on
+        self.fetching: _Pass | None = None  # a loader pass drawing indices right now
+        self.train_passes: list[int] = []
+        self.steps = 0
+        self.first_step: float | None = None
+        self.stop_at: dict | None = None
+        self.stop_seen: float | None = None
+        self.finished = False
+        self.ddp_modules: list = []
+        self.previous_excepthook = sys.excepthook
+        self.torch = None
+        self.steps_into_second = int(os.environ.get(STEPS_ENV, "2"))
+        self.train_seconds = float(os.environ.get(SECONDS_ENV, "20"))
+        self.timeout = float(os.environ.get(TIMEOUT_ENV, "60"))
+        env = {k: os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")}
+        self.write({"kind": "start", "rank": self.rank, "pid": self.pid, "env": env})
+
+    # -- records ------------------------------------------------------------------------
+
+    def write(self, record: dict) -> None:
+        if os.getpid() != self.pid or self.finished:
+            return  # a forked child (DataLoader worker) shares the hooks, not the file
+        record["t"] = round(time.monotonic() - self.t0, 3)
+        line = json.dumps(record, default=str)
+        with self.lock:
+            self.file.write(line + "\n")
+
+    def where(self) -> dict | None:
+        """The innermost frame of the user's code (the script and files beside it)."""
+        if self.user_dir is None:
+            self.user_dir = os.path.dirname(os.path.abspath(sys.argv[0])) + os.sep
+        frame = sys._getframe(1)
+        while frame is not None:
+            name = self._user_file(frame.f_code.co_filename)
+            if name is not None:
+                return {"file": name, "line": frame.f_lineno, "func": frame.f_code.co_name}
+            frame = frame.f_back
+        return None
+
+    def _user_file(self, filename: str) -> str | None:
+        if filename not in self.user_files:
+            path = os.path.abspath(filename)
+            mine = path.startswith(self.user_dir) and not path.endswith("ddpnb_reporting.py")
+            self.user_files[filename] = path[len(self.user_dir) :] if mine else None
+        return self.user_files[filename]
+
+    def new_id(self, obj, prefix: str) -> str:
+        self.ids[prefix] = self.ids.get(prefix, 0) + 1
+        obj.__dict__["_ddpnb_id"] = f"{prefix}{self.ids[prefix]}"
+        return obj.__dict__["_ddpnb_id"]
+
+    # -- passes ---------------------------------------------------------------------------
+
+    def open_pass(self, source: str, obj_id: str) -> _Pass:
+        with self.lock:
+            previous = self.open_passes.pop(obj_id, None)
+            if previous is not None:
+                self.write(previous.record())
+            training = None
+            if self.ddp_modules:
+                training = bool(self.ddp_modules[-1].training)
+            p = _Pass(source, obj_id, self.torch.is_grad_enabled(), training)
+            self.open_passes[obj_id] = p
+            self.current = p
+            return p
+
+    def train_pass_ended(self, p: _Pass) -> None:
+        """At the end of a training epoch, wait briefly for every rank to end the same one.
+
+        A rank whose epoch is longer is blocked in DDP's all-reduce for a step its peers
+        never take; its peers would then start collectives that do not match (gloo aborts,
+        NCCL hangs). Comparing the step counts through files first keeps the evidence and
+        ends every rank cleanly instead.
+        """
+        epoch = self.train_passes.index(p.id) + 1 if p.id in self.train_passes else None
+        if epoch is None:
+            return
+        mine = os.path.join(self.folder, f"epoch-{epoch}.rank-{self.rank}")
+        with open(mine + ".tmp", "w") as f:
+            f.write(str(p.steps))
+        os.replace(mine + ".tmp", mine)
+        self.write({"kind": "epoch_end", "epoch": epoch, "steps": p.steps, "pass": p.id})
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        counts: dict[int, int] = {}
+        deadline = time.monotonic() + EPOCH_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            counts = self._epoch_counts(epoch, world)
+            if len(counts) == world or self.read_stop() is not None:
+                break
+            time.sleep(0.01)
+        if self.read_stop() is None and (len(counts) < world or len(set(counts.values())) > 1):
+            self.write({"kind": "epoch_mismatch", "epoch": epoch, "counts": counts})
+            self.request_stop(None, f"ranks' epoch {epoch} differ in length")
+            self.end(f"stopped at the end of epoch {epoch}: the ranks' epochs differ in length")
+
+    def _epoch_counts(self, epoch: int, world: int) -> dict[int, int]:
+        counts = {}
+        for r in range(world):
+            try:
+                with open(os.path.join(self.folder, f"epoch-{epoch}.rank-{r}")) as f:
+                    counts[r] = int(f.read())
+            except (OSError, ValueError):
+                pass
+        return counts
+
+    # -- steps and the stop ----------------------------------------------------------------
+
+    def after_step(self, optimizer) -> None:
+        self.steps += 1
+        n, p = self.steps, self.current
+        record = {"kind": "step", "n": n, "pass": p.id if p else None}
+        if p is not None:
+            p.steps += 1
+            if p.steps == 1:
+                self.train_passes.append(p.id)
+        if self.first_step is None:
+            self.first_step = time.monotonic()
+            record["where"] = self.where()
+        if n in CHECKSUM_STEPS:
+            record["params"] = self.checksum(optimizer)
+        self.write(record)
+        stop = self.read_stop()
+        if stop is None and self.want_stop(p):
+            stop = self.request_stop(n + 1, "steps" if self._epochs_done(p) else "seconds")
+        if stop is not None and (stop.get("step") is None or n >= stop["step"]):
+            if n not in CHECKSUM_STEPS:
+                self.write({"kind": "params", "n": n, "params": self.checksum(optimizer)})
+            self.end(f"stopped after optimizer step {n} ({stop['reason']})")
+
+    def _epochs_done(self, p) -> bool:
+        epoch = len(self.train_passes)
+        return epoch >= 3 or (epoch == 2 and p is not None and p.steps >= self.steps_into_second)
+
+    def want_stop(self, p) -> bool:
+        if self._epochs_done(p):
+            return True
+        return time.monotonic() - self.first_step > self.train_seconds
+
+    def read_stop(self) -> dict | None:
+        if self.stop_at is None:
+            try:
+                with open(os.path.join(self.folder, STOP_FILE)) as f:
+                    self.stop_at = json.load(f)
+            except (OSError, ValueError):
+                return None
+        return self.stop_at
+
+    def request_stop(self, step: int | None, reason: str) -> dict:
+        """Ask every rank to stop after optimizer step ``step`` (None: at once); first ask wins."""
+        tmp = os.path.join(self.folder, f".stop-{self.rank}.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"step": step, "reason": reason, "rank": self.rank}, f)
+        try:
+            os.link(tmp, os.path.join(self.folder, STOP_FILE))  # atomic, and only once
+        except FileExistsError:
+            pass
+        os.unlink(tmp)
+        self.stop_at = None
+        return self.read_stop()
+
+    def end(self, reason: str) -> None:
+        """Write what is pending and leave now, with status 0 (the check ended the script)."""
+        self.finish(reason)
+        os._exit(0)
+
+    def finish(self, reason: str) -> None:
+        with self.lock:
+            if self.finished or os.getpid() != self.pid:
+                return
+            for p in self.open_passes.values():
+                self.write(p.record())
+            self.open_passes.clear()
+            self.write({"kind": "end", "reason": reason, "steps": self.steps})
+            self.finished = True
+            self.file.flush()
+
+    def watch(self) -> None:
+        """End this rank when a stop was asked and it did not get there (a blocked collective)."""
+        stop_path = os.path.join(self.folder, STOP_FILE)
+        while not self.finished:
+            time.sleep(0.2)
+            now = time.monotonic()
+            if self.stop_seen is None and os.path.exists(stop_path):
+                self.stop_seen = now
+            if self.stop_seen is None and now - self.t0 > self.timeout:
+                self.request_stop(None, f"time bound of {self.timeout:g} s")
+                self.stop_seen = now
+            if self.stop_seen is not None and now - self.stop_seen > GRACE_SECONDS:
+                self.end("ended by the check's watchdog (another rank had stopped)")
+
+    def excepthook(self, kind, value, tb) -> None:
+        if os.path.exists(os.path.join(self.folder, STOP_FILE)):
+            self.end(f"ended after a peer stopped ({kind.__name__})")  # its peer left
+        self.write({"kind": "exception", "type": kind.__name__, "message": str(value)[:2000]})
+        self.finish("exception")
+        self.previous_excepthook(kind, value, tb)
+
+    def checksum(self, optimizer) -> str:
+        digest = hashlib.sha256()
+        try:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    t = param.detach().reshape(-1).cpu().contiguous()
+                    digest.update(t.view(self.torch.uint8).numpy().tobytes())
+        except Exception:  # no numpy, an exotic tensor: sums are still telling
+            sums = [
+                float(p.detach().double().sum())
+                for g in optimizer.param_groups
+                for p in g["params"]
+            ]
+            return "sum:" + repr(sums)
+        return digest.hexdigest()[:16]
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def install(self, torch) -> None:
+        """Hook torch (once the script imported it); a failure leaves the script as it was."""
+        self.torch = torch
+        hooks = (_hook_init, _hook_ddp, _hook_loader, _hook_loader_iter, _hook_sampler)
+        for hook in (*hooks, _hook_steps, _hook_save, _hook_collectives):
+            try:
+                hook(self, torch)
+            except Exception as e:  # an older or newer torch: observe what can be observed
+                self.write({"kind": "observe_error", "hook": hook.__name__, "error": repr(e)})
+        try:
+            _hook_devices(self, torch)
+        except Exception as e:
+            self.write({"kind": "observe_error", "hook": "_hook_devices", "error": repr(e)})
+
+
+def _wrap(owner, name: str, make) -> None:
+    original = getattr(owner, name)
+    if getattr(original, "_ddpnb", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper._ddpnb = True
+    setattr(owner, name, wrapper)
+
+
+def _given(value) -> int | None:
+    return None if value is None or value == -1 else value
+
+
+def _hook_init(obs: _Observer, torch) -> None:
+    import torch.distributed.distributed_c10d as c10d
+
+    signature = inspect.signature(c10d.init_process_group)
+
+    def make(original):
+        def init_process_group(*args, **kwargs):
+            try:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:
+                bound = {}
+            rank, world = _given(bound.get("rank")), _given(bound.get("world_size"))
+            env = {k: os.environ.get(k) for k in ENV_KEYS}
+            obs.write(
+                {
+                    "kind": "init",
+                    "where": obs.where(),
+                    "backend": str(bound.get("backend")),
+                    "init_method": bound.get("init_method"),
+                    "store": bound.get("store") is not None,
+                    "rank": rank,
+                    "world_size": world,
+                    "env": env,
+                }
+            )
+            if (rank is not None and str(rank) != env["RANK"]) or (
+                world is not None and str(world) != env["WORLD_SIZE"]
+            ):
+                # Ranks that disagree with torchrun's never meet: stop instead of hanging.
+                obs.request_stop(None, "rank or world_size differs from torchrun's")
+                obs.end("stopped at init_process_group: rank or world_size is not torchrun's")
+            return original(*args, **kwargs)
+
+        return init_process_group
+
+    _wrap(c10d, "init_process_group", make)
+    torch.distributed.init_process_group = c10d.init_process_group
+
+
+def _hook_ddp(obs: _Observer, torch) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def make(original):
+        def __init__(self, module, *args, **kwargs):
+            original(self, module, *args, **kwargs)
+            obs.ddp_modules.append(self)
+            ids = getattr(self, "device_ids", None)
+            obs.write({"kind": "ddp", "where": obs.where(), "device_ids": ids})
+            for i in ids or ():
+                obs.write({"kind": "device", "call": "DDP(device_ids=...)", "index": int(i)})
+
+        return __init__
+
+    _wrap(DDP, "__init__", make)
+
+
+def _dataset_len(dataset) -> int | None:
+    try:
+        return len(dataset)
+    except Exception:
+        return None
+
+
+def _hook_loader(obs: _Observer, torch) -> None:
+    from torch.utils.data import DataLoader
+
+    def make_init(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            sampler = getattr(self, "sampler", None)
+            record = {
+                "kind": "loader",
+                "id": obs.new_id(self, "L"),
+                "where": obs.where(),
+                "batch_size": self.batch_size,
+                "drop_last": self.drop_last,
+                "sampler": type(sampler).__name__,
+                "sampler_id": getattr(sampler, "__dict__", {}).get("_ddpnb_id"),
+                "dataset_len": _dataset_len(self.dataset),
+                "iterable": isinstance(self.dataset, torch.utils.data.IterableDataset),
+            }
+            chosen, record["layers"] = _subsets(self.dataset, torch.utils.data.Subset)
+            self.__dict__["_ddpnb_subsets"] = chosen
+            obs.write(record)
+
+        return __init__
+
+    def make_iter(original):
+        def __iter__(self):
+            obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "L")
+            p = obs.open_pass("loader", obj_id)
+            p.subsets = self.__dict__.get("_ddpnb_subsets", [])
+            try:
+                p.expected = len(self)
+            except TypeError:
+                pass
+            obs.fetching = p  # a multi-process iterator draws its first indices in here
+            try:
+                it = original(self)
+            finally:
+                obs.fetching = None
+            it.__dict__["_ddpnb_pass"] = p
+            return it
+
+        return __iter__
+
+    _wrap(DataLoader, "__init__", make_init)
+    _wrap(DataLoader, "__iter__", make_iter)
+
+
+def _hook_loader_iter(obs: _Observer, torch) -> None:
+    """The indices each pass draws, and the end of a pass as its consumer sees it."""
+    from torch.utils.data import dataloader as dl
+
+    def make_next_index(original):
+        def _next_index(self):
+            p = self.__dict__.get("_ddpnb_pass") or obs.fetching
+            previous, obs.fetching = obs.fetching, p
+            try:
+                idx = original(self)
+            except StopIteration:
+                if p is not None:
+                    p.exhausted = True
+                raise
+            finally:
+                obs.fetching = previous
+            if p is not None:
+                p.add(idx)
+                obs.current = p
+            return idx
+
+        return _next_index
+
+    def make_next(original):
+        def __next__(self):
+            try:
+                return original(self)
+            except StopIteration:
+                p = self.__dict__.get("_ddpnb_pass")
+                if p is not None and p.steps:
+                    obs.train_pass_ended(p)
+                raise
+
+        return __next__
+
+    _wrap(dl._BaseDataLoaderIter, "_next_index", make_next_index)
+    _wrap(dl._BaseDataLoaderIter, "__next__", make_next)
+
+
+def _hook_sampler(obs: _Observer, torch) -> None:
+    from torch.utils.data import DistributedSampler
+
+    def make_init(original):
+        def __init__(self, dataset, *args, **kwargs):
+            original(self, dataset, *args, **kwargs)
+            obs.write(
+                {
+                    "kind": "sampler",
+                    "id": obs.new_id(self, "S"),
+                    "where": obs.where(),
+                    "num_replicas": self.num_replicas,
+                    "rank": self.rank,
+                    "shuffle": self.shuffle,
+                    "drop_last": self.drop_last,
+                    "dataset_len": _dataset_len(dataset),
+                }
+            )
+
+        return __init__
+
+    def make_iter(original):
+        def __iter__(self):
+            indices = list(original(self))
+            obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "S")
+            inner = obs.fetching  # drawn by a DataLoader pass, or iterated by the script
+            p = None if inner is not None else obs.open_pass("sampler", obj_id)
+            obs.write(
+                {
+                    "kind": "sampler_pass",
+                    "sampler": obj_id,
+                    "epoch": getattr(self, "epoch", None),
+                    "loader_pass": inner.id if inner is not None else None,
+                    "pass": p.id if p is not None else None,
+                    "indices": [int(i) for i in indices[:MAX_INDICES]],
+                    "n": len(indices),
+                }
+            )
+            if p is not None:
+                p.n, p.exhausted = len(indices), True
+            return iter(indices)
+
+        return __iter__
+
+    def make_set_epoch(original):
+        def set_epoch(self, epoch):
+            obj_id = self.__dict__.get("_ddpnb_id")
+            obs.write(
+                {"kind": "set_epoch", "sampler": obj_id, "epoch": epoch, "where": obs.where()}
+            )
+            return original(self, epoch)
+
+        return set_epoch
+
+    _wrap(DistributedSampler, "__init__", make_init)
+    _wrap(DistributedSampler, "__iter__", make_iter)
+    _wrap(DistributedSampler, "set_epoch", make_set_epoch)
+
+
+def _hook_collectives(obs: _Observer, torch) -> None:
+    """The script's own collectives (all_reduce of metrics...): once per call site and pass."""
+    import torch.distributed as dist
+
+    seen: set = set()
+
+    def make(original):
+        name = original.__name__
+
+        def collective(*args, **kwargs):
+            where = obs.where()
+            key = (name, str(where), obs.current.id if obs.current else None)
+            if where is not None and key not in seen:
+                seen.add(key)
+                obs.write({"kind": "collective", "op": name, "where": where, "pass": key[2]})
+            return original(*args, **kwargs)
+
+        return collective
+
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            _wrap(dist, name, make)
+
+
+def _hook_steps(obs: _Observer, torch) -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            obs.write({"kind": "optimizer", "type": type(self).__name__, "where": obs.where()})
+
+        return __init__
+
+    _wrap(torch.optim.Optimizer, "__init__", make)
+
+    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: obs.after_step(optimizer))
+
+
+def _hook_save(obs: _Observer, torch) -> None:
+    def make(original):
+        def save(obj, f, *args, **kwargs):
+            if isinstance(f, (str, os.PathLike)):
+                path = os.path.abspath(os.fspath(f))
+            else:
+                path = getattr(f, "name", None)
+                path = os.path.abspath(path) if isinstance(path, str) else None
+            obs.write({"kind": "save", "path": path, "where": obs.where()})
+            return original(obj, f, *args, **kwargs)
+
+        return save
+
+    _wrap(torch.serialization, "save", make)
+    torch.save = torch.serialization.save
+
+
+def _hook_devices(obs: _Observer, torch) -> None:
+    """CUDA device choices: the index asked for, beside LOCAL_RANK and RANK."""
+
+    def note(call: str, device) -> None:
+        try:
+            d = (
+                torch.device(device)
+                if not isinstance(device, int)
+                else torch.device("cuda", device)
+            )
+        except Exception:
+            return
+        if d.type == "cuda" and d.index is not None:
+            obs.write({"kind": "device", "call": call, "index": d.index, "where": obs.where()})
+
+    def make_set_device(original):
+        def set_device(device):
+            note("torch.cuda.set_device", device)
+            return original(device)
+
+        return set_device
+
+    def make_to(original):
+        def to(self, *args, **kwargs):
+            try:
+                device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            except Exception:  # the original call reports bad arguments itself
+                device = None
+            if device is not None:
+                note("Module.to", device)
+            return original(self, *args, **kwargs)
+
+        return to
+
+    _wrap(torch.cuda, "set_device", make_set_device)
+    _wrap(torch.nn.Module, "to", make_to)
+
+
+def _patch_environ() -> None:
+    """Record the script's writes of MASTER_ADDR, RANK and the like to os.environ."""
+    environ_type = type(os.environ)
+    original = environ_type.__setitem__
+
+    def __setitem__(self, key, value):
+        original(self, key, value)
+        if self is os.environ and key in ENV_KEYS and _state is not None:
+            where = _state.where()
+            if where is not None:
+                _state.write({"kind": "setenv", "key": key, "value": value, "where": where})
+
+    environ_type.__setitem__ = __setitem__

@@ -1,0 +1,881 @@
+"""Check a DDP script for the classic mistakes by running it briefly: ``check_script``.
+
+The script runs unchanged on simulated nodes (``ddpnb.launch``), with ``ddpnb.observe``
+loaded into every worker from outside (a ``sitecustomize.py`` on ``PYTHONPATH``). The
+observation records what each rank did and ends the script a few optimizer steps into
+its second epoch; this module reads the records and names each mistake with the
+script's line, what was measured, why it matters and the fix. A finding needs evidence
+from the run: what could not be observed is listed as not checked, never guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import html
+import json
+import os
+import shutil
+import sys
+import tempfile
+import textwrap
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .errors import DdpnbError, RunFailed
+
+OBSERVE_MODULE = "_ddpnb_observe"
+SITECUSTOMIZE = '''"""Written by ddpnb check-script: observe this worker, then run any other sitecustomize."""
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+try:
+    import _ddpnb_observe
+
+    _ddpnb_observe.activate()
+except Exception as e:  # never stop the script for the check's sake
+    sys.stderr.write(f"ddpnb check-script: observation not loaded: {e!r}\\n")
+_paths = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+_spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _paths)
+if _spec is not None and _spec.loader is not None:
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+'''
+WAIT_MARGIN_SECONDS = 30.0  # beyond the workers' own bound, before the check stops the run
+
+TITLES = {
+    1: "Ranks train on the same samples",
+    2: "Every epoch repeats the same order",
+    3: "Each rank trains its own model",
+    4: "Ranks take different numbers of steps per epoch",
+    5: "Evaluation counts samples twice or skips them",
+    6: "More than one rank writes the same file",
+    7: "The rendezvous cannot span nodes",
+    8: "The GPU is picked by the global rank",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One mistake, with the evidence for it.
+
+    ``number`` is the mistake's number in ``TITLES``; ``where`` is ``file:line`` in the
+    user's script; ``seen`` what the run showed (measured); ``why`` why it matters;
+    ``fix`` what to write instead.
+    """
+
+    number: int
+    where: str
+    seen: str
+    why: str
+    fix: str
+
+    @property
+    def title(self) -> str:
+        return TITLES[self.number]
+
+
+@dataclasses.dataclass
+class ScriptReport:
+    """What ``check_script`` found: ``findings``, ``facts``, what was ``checked``.
+
+    ``ok`` is True when the script ran and no mistake was found; ``exit_code`` is the
+    CLI's (0 clean, 1 mistakes, 2 the script could not run: ``error`` holds why, with
+    its traceback). ``pids`` are the run's processes (agents and workers), all ended.
+    """
+
+    script: str
+    layout: str
+    findings: list[Finding]
+    facts: dict[str, str]
+    checked: list[str]
+    ended: str
+    error: str | None = None
+    seconds: float = 0.0
+    pids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.findings
+
+    @property
+    def exit_code(self) -> int:
+        if self.error is not None:
+            return 2
+        return 1 if self.findings else 0
+
+    def summary(self) -> str:
+        if self.error is not None:
+            verdict = "the script could not run"
+        elif self.findings:
+            verdict = f"{len(self.findings)} mistake(s) found"
+        else:
+            verdict = "no mistake found"
+        return f"{self.script} on {self.layout}: {verdict} ({self.seconds:.0f} s; {self.ended})"
+
+    def __str__(self) -> str:
+        out = [f"ddpnb check-script: {self.summary()}", "", "Facts"]
+        width = max((len(k) for k in self.facts), default=0)
+        out += [f"  {k.ljust(width)}  {v}" for k, v in self.facts.items()]
+        for f in self.findings:
+            out += ["", f"Mistake {f.number}: {f.title}  [{f.where}]"]
+            for label, text in (("seen", f.seen), ("why", f.why), ("fix", f.fix)):
+                out += textwrap.wrap(
+                    text, 96, initial_indent=f"  {label:5}", subsequent_indent=" " * 7
+                )
+        out += ["", "Checked"]
+        for note in self.checked:
+            out += textwrap.wrap(note, 96, initial_indent="  - ", subsequent_indent="    ")
+        if self.error is not None:
+            out += ["", "The script could not run:", self.error.rstrip()]
+        return "\n".join(out)
+
+    def _repr_html_(self) -> str:
+        e = html.escape
+        rows = "".join(
+            f"<tr><td>{f.number}</td><td><b>{e(f.title)}</b></td><td><code>{e(f.where)}</code>"
+            f"</td><td>{e(f.seen)}</td><td>{e(f.why)}</td><td>{e(f.fix)}</td></tr>"
+            for f in self.findings
+        )
+        head = "".join(
+            f"<th>{h}</th>" for h in ("#", "finding", "where", "seen", "why it matters", "fix")
+        )
+        findings = f"<table><tr>{head}</tr>{rows}</table>" if rows else "<p>No mistake found.</p>"
+        facts = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in self.facts.items())
+        checked = "".join(f"<li>{e(n)}</li>" for n in self.checked)
+        error = f"<p>The script could not run:</p><pre>{e(self.error)}</pre>" if self.error else ""
+        return (
+            f"<div><p><b>ddpnb check-script</b>: {e(self.summary())}</p>{findings}"
+            f"<table>{facts}</table><details><summary>checked</summary><ul>{checked}</ul>"
+            f"</details>{error}</div>"
+        )
+
+
+# -- running the script -------------------------------------------------------------------
+
+
+def check_script(
+    script,
+    nnodes: int = 2,
+    nproc_per_node: int = 1,
+    *,
+    run_dir: str | os.PathLike | None = None,
+    steps: int = 2,
+    seconds: float = 20.0,
+    timeout: float = 90.0,
+) -> ScriptReport:
+    """Run a DDP script briefly on simulated nodes and check it for the classic mistakes.
+
+    Parameters
+    ----------
+    script:
+        A :class:`ddpnb.Script` (or the path of a script taking no arguments). It is not
+        edited and needs nothing of ddpnb.
+    nnodes, nproc_per_node:
+        The simulated layout (on this machine, gloo or NCCL as the script chooses).
+    run_dir:
+        Where the check runs (``run/`` the script's working directory, ``observe/`` the
+        records); default a temporary folder, removed afterwards.
+    steps, seconds, timeout:
+        The script is ended ``steps`` optimizer steps into its second epoch, or
+        ``seconds`` after its first step, and every worker after ``timeout`` seconds.
+
+    Returns a :class:`ScriptReport`; raises :class:`~ddpnb.errors.ConfigError` when the
+    script or the layout is invalid (nothing started).
+
+    Example
+    -------
+    >>> report = check_script(Script("train.py", args=["--epochs", "100"]))  # doctest: +SKIP
+    >>> report.ok, [f.title for f in report.findings]                        # doctest: +SKIP
+    """
+    from .launch import launch
+    from .script import Script
+
+    script = script if isinstance(script, Script) else Script(script)
+    root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="ddpnb-check-"))
+    observe_dir = _prepare_observe(root / "observe")
+    env = _observe_env(observe_dir, steps, seconds, timeout)
+    started = time.monotonic()
+    try:
+        job = launch(
+            script,
+            root / "run",
+            nnodes,
+            nproc_per_node,
+            wait=False,
+            env=env,
+            progress="none",
+            overwrite=True,
+            max_restarts=0,
+        )
+        pids = set(job.pids())
+        error = _wait(job, timeout + WAIT_MARGIN_SECONDS)
+        records = load_records(observe_dir)
+        pids |= {r["pid"] for rank in records.values() for r in rank if r["kind"] == "start"}
+        report = analyse(records, root / "run", nnodes, nproc_per_node, error)
+    finally:
+        if run_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    report.script, report.seconds, report.pids = (
+        script.name,
+        time.monotonic() - started,
+        sorted(pids),
+    )
+    return report
+
+
+def _prepare_observe(folder: Path) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    shutil.copyfile(Path(__file__).with_name("observe.py"), folder / f"{OBSERVE_MODULE}.py")
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return folder.resolve()
+
+
+def _observe_env(folder: Path, steps: int, seconds: float, timeout: float) -> dict[str, str]:
+    from . import observe
+
+    path = [str(folder), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {
+        "PYTHONPATH": os.pathsep.join(path),
+        observe.DIR_ENV: str(folder),
+        observe.STEPS_ENV: str(steps),
+        observe.SECONDS_ENV: str(seconds),
+        observe.TIMEOUT_ENV: str(timeout),
+    }
+
+
+def _wait(job, timeout: float) -> str | None:
+    """Follow the run to its end; None when it ended cleanly, else why it did not."""
+    try:
+        job.wait(timeout=timeout)
+    except RunFailed as e:
+        return str(e)
+    except TimeoutError:
+        job.stop()
+        return (
+            f"The script did not end within {timeout:.0f} s, although the check asks every "
+            "rank to stop; it was stopped. A rank may be blocked outside Python."
+        )
+    return None
+
+
+def load_records(folder: str | os.PathLike) -> dict[int, list[dict]]:
+    """Every rank's records, by global rank."""
+    out = {}
+    for path in sorted(Path(folder).glob("rank-*.jsonl")):
+        lines = path.read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+        if records:
+            out[int(path.stem.split("-")[1])] = records
+    return dict(sorted(out.items()))
+
+
+# -- the records of one rank ------------------------------------------------------------
+
+
+def _at(where: dict | None) -> str:
+    return f"{where['file']}:{where['line']}" if where else "(not in the script's files)"
+
+
+class _Rank:
+    """One rank's records, indexed."""
+
+    def __init__(self, records: list[dict]) -> None:
+        self.kinds: dict[str, list[dict]] = defaultdict(list)
+        for r in records:
+            self.kinds[r["kind"]].append(r)
+        start = self.kinds["start"][0]
+        self.rank = start["rank"]
+        self.local_rank = int(start["env"].get("LOCAL_RANK") or 0)
+        self.passes = sorted(self.kinds["pass"], key=lambda p: p["pass"])
+        self.loaders = {r["id"]: r for r in self.kinds["loader"]}
+        self.samplers = {r["id"]: r for r in self.kinds["sampler"]}
+        self.train = [p for p in self.passes if p["steps"] > 0]
+
+    def __getitem__(self, kind: str) -> list[dict]:
+        return self.kinds.get(kind, [])
+
+    def sampler_pass(self, p: dict) -> dict | None:
+        """The DistributedSampler pass that gave pass ``p`` its indices (or was ``p``)."""
+        for s in self["sampler_pass"]:
+            if s["loader_pass"] == p["pass"] or s["pass"] == p["pass"]:
+                return s
+        return None
+
+    def levels(self, p: dict) -> list[list[int]] | None:
+        """The pass's indices at each Subset level (outermost first); None if none were seen."""
+        if p["source"] == "loader":
+            return p["indices"] if p["indices"] and p["indices"][0] else None
+        s = self.sampler_pass(p)
+        return [s["indices"]] if s else None
+
+    def layers(self, p: dict) -> list[dict]:
+        if p["source"] == "loader":
+            return self.loaders.get(p["obj"], {}).get("layers") or []
+        return [{"len": self.samplers.get(p["obj"], {}).get("dataset_len"), "id": p["obj"]}]
+
+    def epoch_done(self, k: int) -> bool:
+        ended = any(e["epoch"] == k for e in self["epoch_end"])
+        return ended or len(self.train) > k
+
+    @property
+    def eval_passes(self) -> list[dict]:
+        return [
+            p
+            for p in self.passes
+            if p["source"] == "loader" and p["steps"] == 0 and not (p["grad"] and p["training"])
+        ]
+
+
+def _common(ranks: list[_Rank], passes: list[dict]) -> tuple[list[list[int]], int | None] | None:
+    """The passes' indices at the first dataset level every rank shares, and that level's size.
+
+    A rank's own shard (``Subset(val, range(rank, n, world))``) differs between ranks; the
+    dataset inside it does not, and is where indices are compared.
+    """
+    levels = [r.levels(p) for r, p in zip(ranks, passes)]
+    layers = [r.layers(p) for r, p in zip(ranks, passes)]
+    if any(lv is None for lv in levels):
+        return None
+    depth = min(len(lv) for lv in levels)
+    for i in range(depth):
+        if all(len(la) > i and la[i] == layers[0][i] for la in layers):
+            return [lv[i] for lv in levels], layers[0][i].get("len")
+    return [lv[depth - 1] for lv in levels], None
+
+
+def _source(rank: _Rank, p: dict) -> tuple[dict, str]:
+    """The record that made the pass (a loader or a sampler) and a short description."""
+    if p["source"] == "loader":
+        loader = rank.loaders.get(p["obj"], {})
+        return loader, f"a DataLoader with a {loader.get('sampler', '?')}"
+    return rank.samplers.get(p["obj"], {}), "a DistributedSampler"
+
+
+# -- the analysis ---------------------------------------------------------------------------
+
+
+def analyse(
+    records: dict[int, list[dict]],
+    run_dir: Path,
+    nnodes: int,
+    nproc_per_node: int,
+    error: str | None = None,
+) -> ScriptReport:
+    """The report of one observed run (``records``: :func:`load_records`)."""
+    ranks = [_Rank(r) for r in records.values() if any(x["kind"] == "start" for x in r)]
+    world = nnodes * nproc_per_node
+    layout = f"{nnodes} node(s) x {nproc_per_node} process(es)"
+    findings: list[Finding] = []
+    checked: list[str] = []
+    if len(ranks) < world:
+        checked.append(f"Records of {len(ranks)} of {world} ranks: the others never started.")
+    checks = (_sharding, _set_epoch, _replicas, _steps, _evaluation, _saves, _devices)
+    for check in (*checks, lambda rs, w: _rendezvous(rs, w, run_dir)):
+        if ranks:
+            found, notes = check(ranks, world)
+            findings += found
+            checked += notes
+    findings.sort(key=lambda f: f.number)
+    ends = sorted({e["reason"] for r in ranks for e in r["end"]})
+    ended = "; ".join(ends) or "no rank reported how it ended"
+    return ScriptReport("", layout, findings, _facts(ranks, world, layout), checked, ended, error)
+
+
+def _facts(ranks: list[_Rank], world: int, layout: str) -> dict[str, str]:
+    facts = {"world size": f"{world} ({layout})"}
+    trained = [r for r in ranks if r.train]
+    sizes = {r.rank: max(r.train[0]["batch_sizes"]) for r in trained if r.train[0]["batch_sizes"]}
+    if sizes:
+        facts["batch size per rank"] = ", ".join(map(str, sorted(set(sizes.values()))))
+        facts["global batch size"] = f"{sum(sizes.values())} (the sum over {len(sizes)} ranks)"
+    elif trained:
+        facts["batch size per rank"] = "not seen (batches made without a DataLoader)"
+    if trained:
+        facts["training samples per epoch"] = ", ".join(
+            f"rank {r.rank}: {r.train[0]['n']}" for r in trained
+        )
+        facts["steps per epoch"] = ", ".join(
+            f"rank {r.rank}: {r.train[0]['steps'] if r.epoch_done(1) else _expected(r)}"
+            for r in trained
+        )
+    steps = [e["steps"] for r in ranks for e in r["end"]]
+    if steps:
+        facts["optimizer steps observed"] = f"{min(steps)} to {max(steps)} per rank"
+    ddp = [d for r in ranks for d in r["ddp"]]
+    facts["DistributedDataParallel"] = _at(ddp[0]["where"]) if ddp else "not constructed"
+    return facts
+
+
+def _expected(rank: _Rank) -> str:
+    expected = rank.train[0].get("expected")
+    return f"{expected} (len of the loader; epoch 1 not finished)" if expected else "?"
+
+
+def _sharding(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+    """1: the ranks' training samples in epoch 1 should be disjoint (but for padding)."""
+    trained = [r for r in ranks if r.train]
+    if world < 2 or len(trained) < 2:
+        return [], ["Training shards: not checked (fewer than two ranks took an optimizer step)."]
+    common = _common(trained, [r.train[0] for r in trained])
+    if common is None:
+        return [], [
+            "Training shards: not checked (the training data has no sample indices: an "
+            "IterableDataset, or batches made without a DataLoader or DistributedSampler)."
+        ]
+    indices, _ = common
+    counts = Counter(i for idx in indices for i in set(idx))
+    shared = sum(1 for c in counts.values() if c > 1)
+    if shared <= world - 1:  # a DistributedSampler pads with at most world - 1 repeats
+        return [], [
+            f"Training shards: in epoch 1 the ranks' samples overlap in {shared} of "
+            f"{len(counts)} (padding adds at most {world - 1}): each rank trains on its own shard."
+        ]
+    record, what = _source(trained[0], trained[0].train[0])
+    per_rank = ", ".join(f"rank {r.rank} drew {len(set(i))}" for r, i in zip(trained, indices))
+    seen = (
+        f"In epoch 1, {shared} of the {len(counts)} training samples were drawn by more than "
+        f"one rank ({100 * shared / len(counts):.0f}%; {per_rank}). The training data comes "
+        f"from {what}"
+    )
+    if record.get("sampler") == "DistributedSampler" or "num_replicas" in record:
+        sampler = trained[0].samplers.get(record.get("sampler_id") or record.get("id"), record)
+        seen += f" (num_replicas={sampler.get('num_replicas')}, rank={sampler.get('rank')})."
+    else:
+        seen += ", which knows nothing of ranks."
+    why = (
+        f"Every rank trains on the same data: {world} ranks do the same epoch {world} times, "
+        "and the run is no faster than one process (each step averages near-identical gradients)."
+    )
+    fix = (
+        "sampler = DistributedSampler(train_set) (its num_replicas and rank come from the "
+        "process group); DataLoader(train_set, batch_size=..., sampler=sampler) without "
+        "shuffle=True; and sampler.set_epoch(epoch) at the start of every epoch."
+    )
+    return [Finding(1, _at(record.get("where")), seen, why, fix)], []
+
+
+def _set_epoch(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+    """2: a shuffling DistributedSampler must draw a new order every epoch."""
+    pairs = []
+    for r in ranks:
+        if len(r.train) >= 2:
+            first, second = (r.sampler_pass(p) for p in r.train[:2])
+            if first and second:
+                pairs.append((r, first, second))
+    if not pairs:
+        trained = max((len(r.train) for r in ranks), default=0)
+        reason = (
+            "only one epoch ran before the script ended"
+            if trained < 2
+            else "the training data does not come from a DistributedSampler"
+        )
+        return [], [f"New order every epoch (set_epoch): not checked ({reason})."]
+    rank, first, second = pairs[0]
+    sampler = rank.samplers.get(first["sampler"], {})
+    same = [r.rank for r, a, b in pairs if a["indices"] == b["indices"]]
+    if not sampler.get("shuffle", True) or len(same) < len(pairs):
+        return [], ["New order every epoch: epochs 1 and 2 drew different orders on every rank."]
+    calls = [s for s in rank["set_epoch"] if s["sampler"] == first["sampler"]]
+    if calls:
+        where = _at(calls[-1]["where"])
+        how = f"set_epoch was called with {first['epoch']} in both epochs (at {where})"
+    else:
+        where = _at(sampler.get("where"))
+        how = "set_epoch was never called"
+    seen = (
+        f"Rank(s) {', '.join(map(str, same))} drew the same {first['n']} samples in the same "
+        f"order in epochs 1 and 2: the sampler's epoch was {first['epoch']} both times; {how}."
+    )
+    why = (
+        "DistributedSampler shuffles with seed + epoch: with the same epoch every epoch "
+        "repeats epoch 1's order and each rank sees the same shard forever, which hurts "
+        "generalisation (pytorch #31771)."
+    )
+    fix = "for epoch in range(epochs): sampler.set_epoch(epoch), before iterating the loader."
+    return [Finding(2, where, seen, why, fix)], []
+
+
+def _replicas(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+    """3: after the same optimizer step every rank must hold the same parameters."""
+    sums: dict[int, dict[int, str]] = defaultdict(dict)
+    for r in ranks:
+        for rec in [*r["step"], *r["params"]]:
+            if "params" in rec:
+                sums[rec["n"]][r.rank] = rec["params"]
+    common = sorted(n for n, by_rank in sums.items() if len(by_rank) == len(ranks))
+    ddp = [d for r in ranks for d in r["ddp"]]
+    if world < 2 or not common:
+        return [], ["Identical replicas: not checked (no optimizer step on every rank)."]
+    differ = [n for n in common if len(set(sums[n].values())) > 1]
+    wrapped = f"DDP wraps the model at {_at(ddp[0]['where'])}" if ddp else "no DDP on any rank"
+    if not differ:
+        return [], [
+            f"Identical replicas: every rank held the same parameters after optimizer steps "
+            f"{', '.join(map(str, common))} ({wrapped})."
+        ]
+    n = differ[0]
+    checksums = ", ".join(f"rank {r}: {c}" for r, c in sorted(sums[n].items()))
+    made = [o["where"] for o in ranks[0]["optimizer"] if o.get("where")]
+    step_at = next((s["where"] for s in ranks[0]["step"] if s.get("where")), None)
+    where = _at(ddp[0]["where"] if ddp else (made[0] if made else step_at))
+    seen = (
+        f"After optimizer step {n} the ranks' parameters differ (sha256 prefixes {checksums}); "
+        + (
+            "DistributedDataParallel was constructed, yet the copies drifted apart."
+            if ddp
+            else "no DistributedDataParallel was constructed on any rank."
+        )
+    )
+    why = (
+        "Without DDP nothing averages the gradients: each rank trains its own model on its "
+        "own shard, and the model rank 0 saves has learned from 1/world_size of the data."
+    )
+    fix = (
+        "model = DistributedDataParallel(model) (device_ids=[local_rank] on GPUs) after "
+        "moving it to its device and before creating the optimizer; call model(x), not a copy."
+    )
+    return [Finding(3, where, seen, why, fix)], []
+
+
+def _steps(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+    """4: every rank must take the same number of optimizer steps in an epoch."""
+    epochs = max((len(r.train) for r in ranks), default=0)
+    for k in range(1, epochs + 1):
+        done = {r.rank: r.train[k - 1]["steps"] for r in ranks if r.epoch_done(k)}
+        if not done:
+            continue
+        shortest = min(done.values())
+        behind = {
+            r.rank: r.train[k - 1]["batches"]
+            for r in ranks
+            if not r.epoch_done(k) and len(r.train) >= k and r.train[k - 1]["batches"] > shortest
+        }
+        if len(set(done.values())) > 1 or behind:
+            return [_steps_finding(ranks, k, done, behind)], []
+    if epochs == 0:
+        return [], ["Steps per epoch: not checked (no optimizer step)."]
+    return [], ["Steps per epoch: every rank that ended an epoch took the same number of steps."]
+
+
+def _steps_finding(ranks, k: int, done: dict, behind: dict) -> Finding:
+    by_rank = {r.rank: r for r in ranks}
+    parts = [f"rank {r} ended it after {n} optimizer steps" for r, n in sorted(done.items())]
+    for r, batches in sorted(behind.items()):
+        holds = by_rank[r].train[k - 1].get("expected")
+        parts.append(
+            f"rank {r} had drawn {batches} batches"
+            + (f" of the {holds} its loader holds" if holds else "")
+            + " and was still in it"
+        )
+    rank = by_rank[min(done)]
+    record, what = _source(rank, rank.train[k - 1])
+    seen = f"Epoch {k}: {'; '.join(parts)}. The training data comes from {what}."
+    why = (
+        "DDP all-reduces gradients at every step: a rank with an extra batch waits for "
+        "peers that have moved on (a hang until the timeout, or collectives that do not "
+        "match: gloo aborts), or steps pair up across epochs and batches are silently dropped."
+    )
+    fix = (
+        "Give every rank the same number of batches: DistributedSampler(train_set) (it pads "
+        "the shards to equal length), or drop_last=True, or a per-epoch step count that is "
+        "the same on every rank."
+    )
+    return Finding(4, _at(record.get("where")), seen, why, fix)
+
+
+def _evaluation(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+    """5: over all ranks, evaluation must visit every sample of its set exactly once."""
+    loaders = [lid for lid in dict.fromkeys(p["obj"] for p in ranks[0].eval_passes)]
+    if not loaders:
+        return [], [
+            "Evaluation: no evaluation pass ran before the check ended the script (a "
+            "DataLoader iterated under torch.no_grad() or model.eval() without optimizer "
+            "steps): how it shards and counts samples was not checked."
+        ]
+    findings, notes = [], []
+    for lid in loaders:
+        passes = [next((p for p in r.eval_passes if p["obj"] == lid), None) for r in ranks]
+        if any(p is None or not p["exhausted"] for p in passes):
+            notes.append(f"Evaluation loader {lid}: not every rank finished a pass; not checked.")
+            continue
+        found, note = _eval_coverage(ranks, passes, world)
+        findings += found
+        notes += note
+    return findings, notes
+
+
+def _eval_coverage(ranks, passes, world) -> tuple[list[Finding], list[str]]:
+    common = _common(ranks, passes)
+    record, _ = _source(ranks[0], passes[0])
+    where = _at(record.get("where"))
+    if common is None:
+        return [], [f"Evaluation at {where}: no sample indices seen; not checked."]
+    indices, size = common
+    counts = Counter(i for idx in indices for i in idx)
+    drawn = sum(counts.values())
+    twice = {i: c for i, c in counts.items() if c > 1}
+    missing = (size - len(counts)) if size is not None else 0
+    reduced = _reduction_note(ranks[0], passes[0])
+    if not twice and missing <= 0:
+        return [], [
+            f"Evaluation at {where}: the {world} ranks evaluated {drawn} samples, each of the "
+            f"{len(counts)} once. {reduced}"
+        ]
+    of = f" of a {size}-sample set" if size is not None else ""
+    if twice and all(c == len(ranks) for c in counts.values()):
+        seen = (
+            f"Every rank evaluated all {len(counts)} samples{of}: each counted {len(ranks)} times."
+        )
+    else:
+        parts = (
+            [f"{len(twice)} sample(s) evaluated twice or more (e.g. index {min(twice)})"]
+            if (twice)
+            else []
+        )
+        parts += [f"{missing} never evaluated"] if missing > 0 else []
+        seen = f"The {len(ranks)} ranks evaluated {drawn} samples{of}: {', '.join(parts)}."
+    why = (
+        "A sample evaluated on several ranks is counted several times once the results are "
+        "reduced (a padded DistributedSampler repeats samples to make shards equal), and a "
+        "skipped one not at all: the metric is not the set's, and it changes with the world "
+        f"size. {reduced}"
+    )
+    fix = (
+        "Shard evaluation exactly: Subset(val_set, range(rank, len(val_set), world_size)) "
+        "(no padding), then all_reduce the sums and counts and divide once."
+    )
+    return [Finding(5, where, seen + f" Loader created at {where}.", why, fix)], []
+
+
+def _reduction_note(rank: _Rank, p: dict) -> str:
+    calls = [c for c in rank["collective"] if c["pass"] == p["pass"]]
+    if calls:
+        return f"Results are then combined ({calls[0]['op']} at {_at(calls[0]['where'])})."
+    return (
+        "No collective followed the evaluation before training went on, so each rank's "
+        "result covers its own samples only (what the script prints is not observed)."
+    )
+
+
+def _saves(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+    """6: a file path written with torch.save by more than one rank."""
+    writers: dict[str, set[int]] = defaultdict(set)
+    where: dict[str, str] = {}
+    for r in ranks:
+        for s in r["save"]:
+            if s["path"]:
+                writers[s["path"]].add(r.rank)
+                where.setdefault(s["path"], _at(s["where"]))
+    if not writers:
+        return [], ["Checkpoint writes: no torch.save before the check ended the script."]
+    shared = {p: w for p, w in writers.items() if len(w) > 1}
+    if not shared:
+        return [], [f"Checkpoint writes: {len(writers)} file(s), each written by one rank."]
+    path, ranks_writing = next(iter(shared.items()))
+    seen = (
+        f"Ranks {', '.join(map(str, sorted(ranks_writing)))} all wrote {_short(path)} "
+        f"(torch.save at {where[path]})"
+        + (f", and {len(shared) - 1} other file(s) likewise." if len(shared) > 1 else ".")
+    )
+    why = (
+        "Ranks writing one file race: on a shared filesystem the file can end up torn or "
+        "mixed, and a reader (a resume) may load it half-written. Every rank holds the same "
+        "weights, so one copy is enough."
+    )
+    fix = "if dist.get_rank() == 0: torch.save(...); then dist.barrier() before any rank reads it."
+    return [Finding(6, where[path], seen, why, fix)], []
+
+
+def _short(path: str) -> str:
+    return Path(path).name if "/run/" in path else path
+
+
+def _devices(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+    """8: on GPUs each process must use the GPU of its local rank."""
+    chosen = [(r, d) for r in ranks for d in r["device"]]
+    if not chosen:
+        return [], ["GPU per process: not checked (no CUDA device was chosen in this run)."]
+    wrong = [(r, d) for r, d in chosen if d["index"] != r.local_rank and d["index"] == r.rank]
+    if not wrong:
+        return [], ["GPU per process: every CUDA device chosen was the local rank's."]
+    r, d = wrong[0]
+    seen = (
+        f"Rank {r.rank} (local rank {r.local_rank}) chose cuda:{d['index']} with {d['call']}: "
+        "the global rank."
+    )
+    why = (
+        "GPUs are numbered per node: on the second node global ranks start at "
+        "nproc_per_node, past its last GPU (invalid device ordinal), or ranks of one node "
+        "share a GPU while others stay idle."
+    )
+    fix = (
+        "local_rank = int(os.environ['LOCAL_RANK']); torch.cuda.set_device(local_rank); "
+        "device = torch.device('cuda', local_rank); DDP(model, device_ids=[local_rank])."
+    )
+    return [Finding(8, _at(d.get("where")), seen, why, fix)], []
+
+
+# -- 7: the rendezvous ----------------------------------------------------------------------
+
+
+def _rendezvous(ranks: list[_Rank], world: int, run_dir: Path) -> tuple[list[Finding], list[str]]:
+    """7: init_method / MASTER_ADDR on loopback; rank or world size not torchrun's."""
+    found: dict[tuple, Finding] = {}
+    for r in ranks:
+        for init in r["init"]:
+            for f in _init_findings(init, run_dir):
+                found.setdefault((f.where, f.seen), f)
+        for s in r["setenv"]:
+            f = _setenv_finding(s)
+            if f is not None:
+                found.setdefault((f.where, f.seen), f)
+    if found:
+        return list(found.values()), []
+    if not any(r["init"] for r in ranks):
+        return [], ["Rendezvous: init_process_group was not called; not checked."]
+    return [], [
+        "Rendezvous: init_process_group takes its address, rank and world size from "
+        "torchrun's environment (env://) on every rank."
+    ]
+
+
+def _loopback(host: str | None) -> bool:
+    from .agent import is_loopback
+
+    return bool(host) and is_loopback(host)
+
+
+SPAN_FIX = (
+    "dist.init_process_group(backend) with no init_method, rank or world_size: torchrun "
+    "sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE on every node (env://), and "
+    "--master_addr names node 0's address that every node can reach."
+)
+
+
+def _init_findings(init: dict, run_dir: Path) -> list[Finding]:
+    out = []
+    where = _at(init["where"])
+    method = init.get("init_method")
+    host = urlparse(method).hostname if isinstance(method, str) else None
+    if isinstance(method, str) and method.startswith("tcp://") and _loopback(host):
+        seen = f"init_method={method!r}: {host} is this machine, on every machine."
+        why = (
+            "It runs while every process is on one host. On two nodes, node 1 connects to "
+            "itself, never meets node 0, and waits until the rendezvous times out."
+        )
+        out.append(Finding(7, where, seen, why, SPAN_FIX))
+    env = init["env"]
+    for key, env_key in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
+        value = init.get(key)
+        if value is not None and str(value) != env.get(env_key):
+            seen = (
+                f"init_process_group({key}={value}) on the process torchrun started with "
+                f"{env_key}={env.get(env_key)}; the check stopped it there (it would hang)."
+            )
+            why = f"Processes that disagree with torchrun about the {key.replace('_', ' ')} never form one group."
+            out.append(Finding(7, where, seen, why, SPAN_FIX))
+    literal = _literal_args(run_dir, init["where"])
+    for key, value in literal.items():
+        if init.get(key) is not None and str(init.get(key)) == env.get(key.upper()):
+            seen = (
+                f"{key}={value} is written into the script; it equals torchrun's "
+                f"{key.upper()} in this check only because the check runs {env.get('WORLD_SIZE')} processes."
+            )
+            why = "With another number of nodes or processes per node the group never forms."
+            out.append(Finding(7, where, seen, why, SPAN_FIX))
+    return out
+
+
+def _literal_args(run_dir: Path, where: dict | None) -> dict[str, object]:
+    """``rank``/``world_size`` given as literals in the init_process_group call at ``where``."""
+    if not where:
+        return {}
+    try:
+        tree = ast.parse((run_dir / where["file"]).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not (
+            node.lineno <= where["line"] <= (node.end_lineno or node.lineno)
+        ):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if name != "init_process_group":
+            continue
+        given = {kw.arg: kw.value for kw in node.keywords}
+        given.update({k: v for k, v in zip(("", "", "", "world_size", "rank"), node.args) if k})
+        return {
+            k: v.value
+            for k, v in given.items()
+            if k in ("rank", "world_size") and isinstance(v, ast.Constant) and v.value != -1
+        }
+    return {}
+
+
+def _setenv_finding(s: dict) -> Finding | None:
+    key, value, where = s["key"], s["value"], _at(s["where"])
+    if key == "MASTER_ADDR" and _loopback(value):
+        seen = f"The script sets os.environ['MASTER_ADDR'] = {value!r}, replacing torchrun's."
+        why = (
+            f"{value} is this machine on every machine: node 1 looks for the rendezvous on "
+            "itself and never meets node 0."
+        )
+        return Finding(7, where, seen, why, SPAN_FIX)
+    if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        seen = f"The script sets os.environ[{key!r}] = {value!r}, replacing torchrun's value."
+        why = "torchrun numbers the processes; a number set by the script is right for one layout only."
+        return Finding(7, where, seen, why, SPAN_FIX)
+    return None
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def _parse_args(argv: list[str]):
+    """(Script, check_script's keyword arguments) from the command line's words."""
+    from .script import Script
+
+    parser = argparse.ArgumentParser(
+        prog="ddpnb check-script",
+        description="Run a DDP script briefly on simulated nodes and name its classic mistakes. "
+        "Exit status: 0 no mistake found, 1 mistakes found, 2 the script could not run.",
+    )
+    parser.add_argument("--nnodes", type=int, default=2, help="simulated nodes (default 2)")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="processes per node")
+    parser.add_argument(
+        "--file", action="append", default=[], help="a file the script needs beside it"
+    )
+    parser.add_argument("--run-dir", help="keep the check's run and records here")
+    parser.add_argument("script", help="the torchrun script")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    opts = parser.parse_args(argv)
+    script = Script(opts.script, args=opts.args, files=opts.file)
+    return script, {
+        "nnodes": opts.nnodes,
+        "nproc_per_node": opts.nproc_per_node,
+        "run_dir": opts.run_dir,
+    }
+
+
+def main_check_script(argv: list[str]) -> int:
+    """``ddpnb check-script``: 0 no mistake found, 1 mistakes found, 2 the script could not run.
+
+    ``ddpnb check-script [--nnodes N] [--nproc-per-node P] [--file PATH]... SCRIPT [ARGS...]``:
+    options first, then the script; every word after the script is the script's.
+    """
+    try:
+        script, kwargs = _parse_args(argv)
+        report = check_script(script, **kwargs)
+    except DdpnbError as e:
+        print(f"ddpnb check-script: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    return report.exit_code

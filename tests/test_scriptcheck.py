@@ -1,0 +1,163 @@
+"""ddpnb.check_script: each classic mistake named with its line; correct scripts come out clean.
+
+Real torchrun processes on two simulated nodes (gloo). tests/scripts/good.py is the
+corrected twin of every mistake script there (each is good.py with one change, marked
+``# MISTAKE``). Every scenario runs once per session; several tests assert on its report.
+Every script asks for 100 epochs: the check must stop it within seconds.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config
+
+import ddpnb
+from ddpnb.script import Script
+from ddpnb.scriptcheck import _parse_args, check_script, load_records, main_check_script
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = Path(__file__).with_name("scripts")
+EPOCHS = "100"
+BOUND_SECONDS = 45  # a 100-epoch script, checked (measured: about 6 s here)
+
+# script -> (the mistake's number, the line the finding must name, what it must have measured)
+MISTAKES = {
+    "no_sampler": (1, "train_loader = DataLoader(", "49 of the 49 training samples"),
+    "no_set_epoch": (2, "sampler = DistributedSampler(", "same 25 samples in the same order"),
+    "no_ddp": (3, "optimizer = torch.optim.SGD(", "parameters differ"),
+    "unequal_steps": (4, "train_loader = DataLoader(", "after 3 optimizer steps"),
+    "padded_val": (5, "val_loader = DataLoader(", "16 samples of a 15-sample set"),
+    "every_rank_saves": (6, "torch.save(", "model.pt"),
+    "loopback_init": (7, "dist.init_process_group(", "127.0.0.1"),
+    "fixed_world_size": (7, "dist.init_process_group(", "world_size=2 is written"),
+    "loopback_master_addr": (7, 'os.environ["MASTER_ADDR"]', "'localhost'"),
+}
+
+_reports: dict = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checked(name: str):
+    """The report of tests/scripts/<name>.py, checked once per session."""
+    if name not in _reports:
+        port = [str(_free_port())] if name == "loopback_init" else []
+        _reports[name] = check_script(Script(SCRIPTS / f"{name}.py", args=[EPOCHS, *port]))
+    return _reports[name]
+
+
+def line_of(name: str, snippet: str) -> int:
+    lines = (SCRIPTS / f"{name}.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if snippet in line)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def assert_nothing_left(report) -> None:
+    assert len(report.pids) >= 2, report.pids  # agents and workers were seen
+    assert [p for p in report.pids if alive(p)] == []
+
+
+@pytest.mark.parametrize("name", sorted(MISTAKES))
+def test_mistake_is_found_with_its_line_and_evidence(name):
+    number, line, measured = MISTAKES[name]
+    report = checked(name)
+    assert report.error is None, str(report)
+    assert [f.number for f in report.findings] == [number], str(report)
+    finding = report.findings[0]
+    assert finding.where == f"{name}.py:{line_of(name, line)}", str(report)
+    assert measured in finding.seen, finding.seen
+    assert finding.why and finding.fix
+    assert (report.exit_code, report.ok) == (1, False)
+    assert f"Mistake {number}" in str(report) and finding.where in report._repr_html_()
+    assert report.seconds < BOUND_SECONDS
+    assert_nothing_left(report)
+
+
+def test_corrected_twin_is_clean_and_stopped_early():
+    report = checked("good")
+    assert report.ok and report.exit_code == 0, str(report)
+    assert "stopped after optimizer step" in report.ended  # not 100 epochs
+    assert report.seconds < BOUND_SECONDS
+    facts = report.facts
+    assert facts["world size"].startswith("2 ")
+    assert (facts["batch size per rank"], facts["global batch size"][:2]) == ("8", "16")
+    assert facts["steps per epoch"] == "rank 0: 4, rank 1: 4"  # 25 samples a rank, batches of 8
+    assert facts["DistributedDataParallel"] == f"good.py:{line_of('good', 'model = DDP(')}"
+    notes = " ".join(report.checked)
+    assert "each of the 15 once" in notes and "all_reduce at good.py" in notes
+    assert "no mistake found" in str(report) and "<table" in report._repr_html_()
+    assert_nothing_left(report)
+
+
+def test_tutorial_worker_is_clean(tiny_data, tmp_path):
+    src = tmp_path / "src"
+    worker = ddpnb.write_worker(tiny_config(tiny_data, epochs=100), src)
+    script = Script(worker, args=["--config", "config.json"], files=[src / "config.json"])
+    report = check_script(script)
+    assert report.ok, str(report)
+    assert "stopped after optimizer step" in report.ended
+    assert report.seconds < BOUND_SECONDS
+    assert any("epochs 1 and 2 drew different orders" in n for n in report.checked)
+    assert_nothing_left(report)
+
+
+def test_script_raising_before_training_exits_2_with_its_traceback(tmp_path, capsys):
+    code = main_check_script(["--run-dir", str(tmp_path), str(SCRIPTS / "raises.py")])
+    out = capsys.readouterr().out
+    assert code == 2, out
+    assert "could not run" in out and "FileNotFoundError: data/train.csv" in out
+    assert 'raises.py", line 7, in load_data' in out  # the script's own traceback
+    records = load_records(tmp_path / "observe")
+    pids = [r["pid"] for rank in records.values() for r in rank if r["kind"] == "start"]
+    assert len(pids) == 2 and not [p for p in pids if alive(p)]
+
+
+def test_global_rank_device_is_seen_before_cuda_fails_here():
+    """8 on a machine without CUDA: set_device(RANK) is recorded, then fails (exit 2)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: test_gpu_device_per_local_rank covers mistake 8")
+    report = checked("global_rank_device")
+    assert report.exit_code == 2 and "NVIDIA" in report.error
+    assert [f.number for f in report.findings] == [8]
+    where = line_of("global_rank_device", "torch.cuda.set_device(")
+    assert report.findings[0].where == f"global_rank_device.py:{where}"
+    assert "chose cuda:1" in report.findings[0].seen
+    assert_nothing_left(report)
+
+
+@pytest.mark.gpu
+def test_gpu_device_per_local_rank():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: the GPU of the global rank is mistake 8")
+    wrong, right = checked("global_rank_device"), checked("local_rank_device")
+    assert 8 in [f.number for f in wrong.findings], str(wrong)
+    assert right.ok, str(right)
+
+
+def test_cli_options_come_before_the_script_and_the_rest_goes_to_it():
+    script, kwargs = _parse_args(
+        ["--nnodes", "3", "--file", "a.py", "train.py", "--epochs", "3", "--nnodes", "5"]
+    )
+    assert (script.path, script.args, script.files) == (
+        "train.py",
+        ("--epochs", "3", "--nnodes", "5"),
+        ("a.py",),
+    )
+    assert kwargs == {"nnodes": 3, "nproc_per_node": 1, "run_dir": None}
