@@ -602,10 +602,12 @@ def _evaluation(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str
     findings, notes = [], []
     for lid in loaders:
         passes = [next((p for p in r.eval_passes if p["obj"] == lid), None) for r in ranks]
-        if any(p is None or not p["exhausted"] for p in passes):
-            notes.append(f"Evaluation loader {lid}: not every rank finished a pass; not checked.")
+        done = [(r, p) for r, p in zip(ranks, passes) if p is not None and p["exhausted"]]
+        if not done:
+            notes.append(f"Evaluation loader {lid}: no rank finished a pass; not checked.")
             continue
-        found, note = _eval_coverage(ranks, passes, world)
+        # Ranks that do not evaluate (evaluation on rank 0 only) add nothing to count.
+        found, note = _eval_coverage([r for r, _ in done], [p for _, p in done], world)
         findings += found
         notes += note
     return findings, notes
@@ -625,8 +627,8 @@ def _eval_coverage(ranks, passes, world) -> tuple[list[Finding], list[str]]:
     reduced = _reduction_note(ranks[0], passes[0])
     if not twice and missing <= 0:
         return [], [
-            f"Evaluation at {where}: the {world} ranks evaluated {drawn} samples, each of the "
-            f"{len(counts)} once. {reduced}"
+            f"Evaluation at {where}: {len(ranks)} of {world} ranks evaluated {drawn} samples, "
+            f"each of the {len(counts)} once. {reduced}"
         ]
     of = f" of a {size}-sample set" if size is not None else ""
     if twice and all(c == len(ranks) for c in counts.values()):

@@ -88,11 +88,18 @@ def test_mistake_is_found_with_its_line_and_evidence(name):
     assert_nothing_left(report)
 
 
-def test_corrected_twin_is_clean_and_stopped_early():
-    report = checked("good")
+@pytest.mark.parametrize("name", ["good", "rank0_eval"])
+def test_correct_script_is_clean_and_stopped_early(name):
+    report = checked(name)
     assert report.ok and report.exit_code == 0, str(report)
     assert "stopped after optimizer step" in report.ended  # not 100 epochs
     assert report.seconds < BOUND_SECONDS
+    assert "no mistake found" in str(report) and "<table" in report._repr_html_()
+    assert_nothing_left(report)
+
+
+def test_facts_and_what_was_checked():
+    report = checked("good")
     facts = report.facts
     assert facts["world size"].startswith("2 ")
     assert (facts["batch size per rank"], facts["global batch size"][:2]) == ("8", "16")
@@ -100,8 +107,7 @@ def test_corrected_twin_is_clean_and_stopped_early():
     assert facts["DistributedDataParallel"] == f"good.py:{line_of('good', 'model = DDP(')}"
     notes = " ".join(report.checked)
     assert "each of the 15 once" in notes and "all_reduce at good.py" in notes
-    assert "no mistake found" in str(report) and "<table" in report._repr_html_()
-    assert_nothing_left(report)
+    assert "1 of 2 ranks evaluated 15 samples" in " ".join(checked("rank0_eval").checked)
 
 
 def test_tutorial_worker_is_clean(tiny_data, tmp_path):
