@@ -19,6 +19,7 @@ from .metrics import load_metrics
 from .remote import check_hosts, ssh_commands
 from .rundir import write_worker
 from .script import Script
+from .scriptcheck import check_script
 from .slurm import attach, submit_slurm
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "TrainConfig",
     "WorkerFailed",
     "attach",
+    "check_script",
     "check_hosts",
     "inspect_dataset",
     "launch",

@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
 
     _train_parser(sub)
     _run_parser(sub)
+    sub.add_parser(  # listed here; parsed by ddpnb.scriptcheck (see main)
+        "check-script",
+        help="run your DDP script briefly and name its classic mistakes with their line "
+        "(exit 0 clean, 1 mistakes, 2 could not run); ddpnb check-script --help",
+    )
 
     plot = sub.add_parser("plot", help="plot loss/accuracy curves of run directories")
     plot.add_argument("run_dirs", nargs="+")
@@ -573,6 +578,15 @@ def _train(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ddpnb`` console script and ``python -m ddpnb``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["check-script"]:  # its own parser: every word after the script is the script's
+        from .scriptcheck import main_check_script
+
+        try:
+            return main_check_script(argv[1:])
+        except KeyboardInterrupt:
+            _say("ddpnb: interrupted; every process of the check was stopped.")
+            return 130
     args = _parser().parse_args(argv)
     try:
         return _run(args)

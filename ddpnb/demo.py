@@ -75,6 +75,11 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
             "use_slurm": False,
             **small,
         },
+        # Your own script: written by the notebook, launched on two simulated nodes.
+        "09_your_own_script.ipynb": {
+            "run_dir": str(out / "own"),
+            **({"script_args": ["5"]} if quick else {}),
+        },
     }
 
 

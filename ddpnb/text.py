@@ -1,9 +1,12 @@
-"""Long shell command lines, printed one option per line with ``\\`` continuations."""
+"""Text for the notebooks: long shell command lines one option per line, diffs of scripts."""
 
 from __future__ import annotations
 
+import difflib
+import os
 import re
 import shlex
+from pathlib import Path
 
 WIDTH = 88  # longer lines are split; a notebook's output area wraps at about this width
 INDENT = "    "
@@ -70,3 +73,18 @@ def wrap_commands(text: str, width: int = WIDTH) -> str:
     >>> print(wrap_commands(ddpnb.cluster.format_node_commands(hosts, commands)))  # doctest: +SKIP
     """
     return "\n".join(wrap_command(line, width) for line in text.splitlines())
+
+
+def diff(before: str | os.PathLike, after: str | os.PathLike) -> str:
+    """The unified diff of two text files: what changed from ``before`` to ``after``.
+
+    >>> print(diff("train.py", "train_ddp.py"))      # doctest: +SKIP
+    --- train.py
+    +++ train_ddp.py
+    ...
+    """
+    a, b = Path(before), Path(after)
+    lines = difflib.unified_diff(
+        a.read_text().splitlines(True), b.read_text().splitlines(True), str(a), str(b)
+    )
+    return "".join(lines)

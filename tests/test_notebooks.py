@@ -41,6 +41,7 @@ def test_code_cells_are_short(name):
         i: n
         for i, c in enumerate(nb.cells)
         if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])
+        if not c.source.startswith("%%writefile")  # a script the reader runs, not kernel code
         if (n := sum(1 for line in c.source.splitlines() if line.strip())) > MAX_CELL_LINES
     }
     assert not long, (
@@ -236,3 +237,26 @@ def test_07_real_machines_without_hosts(executed):
     printed = _printed(out / "07_real_machines.ipynb")
     assert "hosts is empty: nothing was started." in printed
     assert "-- gpu2  # runs, on that host:" in printed and "--node_rank=1 \\\n" in printed
+
+
+@pytest.mark.slow
+def test_09_your_own_script(executed):
+    out, failures = executed("09_your_own_script.ipynb")
+    assert "09_your_own_script.ipynb" not in failures, failures.get("09_your_own_script.ipynb")
+    assert not cells_without_figure(out / "09_your_own_script.ipynb")  # its curves are shown
+    printed = _printed(out / "09_your_own_script.ipynb")
+    assert "epoch 3: val_acc" in printed  # the single-process script ran first
+    assert '+    dist.init_process_group("gloo")' in printed  # the DDP changes, as a diff
+    assert "+    model = DDP(" in printed
+    assert "+        sampler.set_epoch(epoch)" in printed  # the one-line fix
+    # The check named the missing line before the fix, and came out clean after it.
+    checks = [c for c in nbformat.read(out / "09_your_own_script.ipynb", as_version=4).cells
+              if "check_script(" in c.source]  # fmt: skip
+    first, second = (json.dumps(c.outputs) for c in checks)
+    assert "Every epoch repeats the same order" in first and "tabular_ddp.py:" in first
+    assert "Every epoch repeats" not in second and "no mistake found" in second.lower()
+    run = ddpnb.load_metrics(out / "own")
+    assert [r["epoch"] for r in run.epochs] == [1, 2, 3, 4, 5]
+    assert all(r["world_size"] == 2 for r in run.epochs) and run.final["val_acc"] > 0.9
+    assert (out / "own" / "model.pt").is_file()  # rank 0 wrote it in its working directory
+    assert "-- gpu2  # runs, on that host:" in printed and "srun" in printed
