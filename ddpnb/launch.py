@@ -43,6 +43,9 @@ class Starter(Protocol):
 
     data_here: bool  # the tutorial's dataset must be on this machine
 
+    def check(self, plan: Plan) -> None:
+        """What the backend can check before the run directory exists (the cluster's limits)."""
+
     def preflight(self, plan: Plan) -> Topology:
         """Check everything the backend needs (hosts, ports, the cluster); the final topology."""
 
@@ -69,6 +72,7 @@ def run(
     if plan.config is not None:
         plan.config = check_run(plan.config, topology, here=starter.data_here)
         plan.script = worker_script(plan.config)  # its config.json holds the checked paths
+    starter.check(plan)  # nothing written yet
     plan.run_dir = prepare_run_dir(
         run_dir, plan.script.payload(), plan.config, resume=resume, overwrite=overwrite
     ).resolve()
@@ -179,6 +183,9 @@ class Local:
 
     def __init__(self, nodes: list[int]) -> None:
         self.nodes = nodes  # the node ranks started here (checked, with the port, by launch)
+
+    def check(self, plan: Plan) -> None:
+        pass  # launch() checked the nodes and the port
 
     def preflight(self, plan: Plan) -> Topology:
         return plan.topology

@@ -252,10 +252,13 @@ class WidgetProgress:
             if hosts:
                 role = f" on {escape(hosts[n])}{role}"
             last = escape(self.job.last_line(n)[-90:])  # the node's latest output line
+            elapsed = (self.job.ended_at or time.time()) - self.job.started_at
             html = (
                 f"<span style='display:inline-block;min-width:5.5em'>node {n}</span> "
                 f"<span style='background:{color};color:white;border-radius:3px;padding:0 6px;"
                 f"display:inline-block;min-width:5em;text-align:center'>{state}</span> "
+                f"<span class='ddpnb-elapsed' style='display:inline-block;min-width:3.5em;"
+                f"text-align:right'>{elapsed:.0f} s</span> "
                 f"<span style='opacity:0.8'>ranks {ranks.start}-{ranks.stop - 1}{role}</span>"
                 f" <code class='ddpnb-last-line' style='opacity:0.7;font-size:85%;"
                 "white-space:nowrap;overflow:hidden;text-overflow:ellipsis;display:inline-block;"

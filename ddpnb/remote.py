@@ -109,6 +109,9 @@ class Hosts:
         self.remote_run_dir = remote_run_dir
         self.master_port = master_port
 
+    def check(self, plan) -> None:
+        pass  # the hosts are asked in preflight, with the run directory's marker
+
     def preflight(self, plan) -> Topology:
         """Probe every host (login, interpreter, torch, data, node 0's port); nothing starts."""
         config = plan.config

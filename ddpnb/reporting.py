@@ -83,8 +83,8 @@ def step(step: int, steps: int, *, epoch: int = 1, epochs: int = 1, loss=None) -
         return
     _state["last"] = now
     record = {"phase": "train", "epoch": epoch, "epochs": epochs, "step": step, "steps": steps}
-    if loss is not None:
-        record["loss"] = float(loss)
+    if loss is not None:  # a tensor's item(): no autograd warning, one number
+        record["loss"] = loss.item() if hasattr(loss, "item") else float(loss)
     _write_progress(record)
 
 

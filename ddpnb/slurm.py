@@ -29,7 +29,7 @@ from typing import Any
 
 from .cluster import slurm_script
 from .config import TrainConfig
-from .diagnosis import failed_ranks, log_tail, resume_hint
+from .diagnosis import log_tail, resume_hint
 from .errors import (
     ConfigError,
     LaunchError,
@@ -337,8 +337,7 @@ class SlurmNodes:
             state == "UNKNOWN" and _finished_on_disk(self.run_dir)
         ):
             return dict.fromkeys(range(self.nnodes), 0)
-        failed = {n for n in range(self.nnodes) if failed_ranks(self.run_dir, n)}
-        return {n: (code or 1) if n in (failed or {0}) else 0 for n in range(self.nnodes)}
+        return dict.fromkeys(range(self.nnodes), code or 1)  # the job ended without completing
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """Cancel the job (``scancel``); return once Slurm reports that it ended.
@@ -514,11 +513,13 @@ class Batch:
         self.options = options
         self.env = _slurm_env({"PYTHONUNBUFFERED": "1", "DDPNB_LAUNCHED": "1"})
 
-    def preflight(self, plan) -> Topology:
+    def check(self, plan) -> None:
         o = self.options
         o["partition"] = check_slurm_request(
             plan.topology.nnodes, o["partition"], o["gpus_per_node"], self.env
         )
+
+    def preflight(self, plan) -> Topology:
         _refuse_live_job(plan.run_dir, self.env)
         return plan.topology
 

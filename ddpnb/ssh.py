@@ -302,7 +302,7 @@ def probe_all(ssh: Ssh, hosts: Sequence[Host], python: str, **kwargs) -> list[Pr
 def check_probes(
     probes: Sequence[Probe],
     *,
-    data_dir: str | None,
+    data_dir: str | None,  # the worker's dataset (it also needs torchvision); None: a script
     nproc_per_node: int,
     gpus: bool,
     port: int | None,
@@ -310,13 +310,15 @@ def check_probes(
     """Raise one :class:`HostError` naming every host that cannot run the job, and why."""
     problems = [(p.host, p.error) for p in probes if p.error]
     reports = [(p.host, p.report) for p in probes if p.report]
+    needed = ("torch", "torchvision") if data_dir is not None else ("torch",)
     for host, r in reports:
-        missing = [pkg for pkg in ("torch", "torchvision") if not r[pkg]]
+        missing = [pkg for pkg in needed if not r[pkg]]
         if missing:
             problems.append(
                 (
                     host,
-                    f"has no {' or '.join(missing)} for {r['python']}: pip install torch torchvision there",
+                    f"has no {' or '.join(missing)} for {r['python']}: pip install "
+                    f"{' '.join(needed)} there (or pass python= naming an interpreter that has it)",
                 )
             )
         elif data_dir is not None and r["fingerprint"] is None:
@@ -334,8 +336,8 @@ def check_probes(
         raise HostError(
             _lines("Preflight failed; nothing was started", problems), host=problems[0][0].spec
         )
-    base = {k: v.split("+")[0] for k, v in reports[0][1].items() if k in ("torch", "torchvision")}
-    odd = [h for h, r in reports if {k: r[k].split("+")[0] for k in base} != base]
+    base = {k: (reports[0][1][k] or "").split("+")[0] for k in needed}
+    odd = [h for h, r in reports if {k: (r[k] or "").split("+")[0] for k in base} != base]
     if odd:
         raise HostError(
             _lines(

@@ -137,3 +137,18 @@ def test_plot_samples_shows_the_first_images_of_each_class(tiny_data, tmp_path):
     assert np.array_equal(np.asarray(shown), np.asarray(Image.open(first)))
     fig.savefig(tmp_path / "s.png")
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_log_loss_axis_labels_one_two_five_of_each_decade():
+    from matplotlib.figure import Figure
+
+    from ddpnb.plot import label_log_axis
+
+    ax = Figure().subplots()
+    ax.plot([1, 2, 3], [150, 2.1, 1.3])  # epoch 1's spike, then a loss near 2
+    ax.set_yscale("log")
+    label_log_axis(ax)
+    ax.figure.canvas.draw()
+    low, high = ax.get_ylim()
+    shown = [t.get_text() for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high]
+    assert {"2", "5", "10", "20", "50", "100"} <= set(shown), shown  # a tick beside the 2

@@ -11,6 +11,7 @@ import torchvision
 from conftest import TRAIN_PER_CLASS, VAL_COUNTS, tiny_config
 
 import ddpnb
+from ddpnb.script import REPORTING_PATH
 from ddpnb.source import WORKER_PATH
 from ddpnb.worker import replace_head
 
@@ -62,7 +63,11 @@ def test_worker_file_is_a_byte_copy_and_stdlib_only(layout_run):
         if isinstance(node, (ast.Import, ast.ImportFrom))
         for alias in node.names
     }
-    assert imported - sys.stdlib_module_names - {"__future__"} == {"torch", "torchvision"}
+    # torch, torchvision and the reporting file written beside it (ddpnb's own reporting
+    # module only when the package imports the worker as ddpnb.worker).
+    needs = {"torch", "torchvision", "ddpnb_reporting", "ddpnb"}
+    assert imported - sys.stdlib_module_names - {"__future__"} == needs
+    assert (job.run_dir / "ddpnb_reporting.py").read_bytes() == REPORTING_PATH.read_bytes()
     doc = WORKER_PATH.read_text()
     assert "--nnodes 2 --node_rank 0" in doc and "--nnodes 2 --node_rank 1" in doc
 

@@ -46,4 +46,5 @@ for epoch in range(1, epochs + 1):
         )
 if rank == 0:
     torch.save(model.module.state_dict(), "model.pt")  # in the working directory: the run's
+dist.barrier()  # every rank done before the group goes
 dist.destroy_process_group()
