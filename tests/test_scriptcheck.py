@@ -1,18 +1,20 @@
 """ddpnb.check_script: each classic mistake named with its line; correct scripts come out clean.
 
 Real torchrun processes on two simulated nodes (gloo). tests/scripts/good.py is the
-corrected twin of every mistake script there (each is good.py with one change, marked
-``# MISTAKE``). Every scenario runs once per session; several tests assert on its report.
+corrected twin of every mistake script: each is good.py with one edit, marked ``# MISTAKE``
+(tests/mistakes.py), written out once per session. Every scenario runs once per session; several tests assert on its report.
 Every script asks for 100 epochs: the check must stop it within seconds.
 """
 
 from __future__ import annotations
 
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
 from conftest import tiny_config
+from mistakes import EDITS, write_mistakes
 
 import ddpnb
 from ddpnb.script import Script
@@ -38,6 +40,16 @@ MISTAKES = {
 }
 
 _reports: dict = {}
+_folder: list[Path] = []
+
+
+def script_path(name: str) -> Path:
+    """tests/scripts/<name>.py, or the mistake <name> written out from its twin."""
+    if name not in EDITS:
+        return SCRIPTS / f"{name}.py"
+    if not _folder:
+        _folder.append(write_mistakes(Path(tempfile.mkdtemp(prefix="ddpnb-mistakes-"))))
+    return _folder[0] / f"{name}.py"
 
 
 def _free_port() -> int:
@@ -50,12 +62,12 @@ def checked(name: str):
     """The report of tests/scripts/<name>.py, checked once per session."""
     if name not in _reports:
         port = [str(_free_port())] if name == "loopback_init" else []
-        _reports[name] = check_script(Script(SCRIPTS / f"{name}.py", args=[EPOCHS, *port]))
+        _reports[name] = check_script(Script(script_path(name), args=[EPOCHS, *port]))
     return _reports[name]
 
 
 def line_of(name: str, snippet: str) -> int:
-    lines = (SCRIPTS / f"{name}.py").read_text().splitlines()
+    lines = script_path(name).read_text().splitlines()
     return next(i for i, line in enumerate(lines, 1) if snippet in line)
 
 

@@ -390,10 +390,16 @@ OWN = Path(__file__).with_name("own")
 
 
 def test_your_own_script_runs_as_a_batch_job(slurm, tmp_path):
-    from ddpnb import Script
-
-    script = Script(OWN / "linear.py", args=["2", "a b 'c'"], files=[OWN / "datautils.py"])
-    job = submit_slurm(script, tmp_path / "own run", nnodes=2, progress="text")
+    # The command line: ddpnb run --slurm, options first, the script, then its arguments.
+    cli = subprocess.run(
+        [sys.executable, "-m", "ddpnb", "run", "--slurm", "--nnodes", "2",
+         "--run-dir", str(tmp_path / "own run"), "--file", str(OWN / "datautils.py"),
+         str(OWN / "linear.py"), "2", "a b 'c'"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert "epoch 2/2  train_loss" in cli.stdout  # followed with the text panel
+    job = attach(tmp_path / "own run", progress="none")  # a Job for what ran
     run = job.run_dir
     assert job.node_status() == {0: "done", 1: "done"}
     assert [r["epoch"] for r in job.metrics.epochs] == [1, 2]  # reported by the script

@@ -1,6 +1,6 @@
 """A correct DDP script: the corrected twin of every mistake script in this folder.
 
-Each mistake script is this file with one change, marked ``# MISTAKE``.
+Each mistake script is this file with one edit, marked ``# MISTAKE`` (tests/mistakes.py).
 ``torchrun --nproc_per_node 2 good.py [EPOCHS]``
 """
 
