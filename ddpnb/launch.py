@@ -22,7 +22,7 @@ from .config import TrainConfig
 from .errors import ConfigError, LaunchError
 from .job import Job, Processes, open_lifeline
 from .log import logger
-from .plan import Plan
+from .plan import FIRST_HOST, Plan
 from .preflight import (
     check_launch,
     check_run,
@@ -158,7 +158,12 @@ def launch(
         nnodes = 2 if nnodes is None else nnodes
     # The port is chosen by the backend's preflight; 1 is a placeholder until then.
     topology = Topology(
-        nnodes, nproc_per_node, master_addr or "127.0.0.1", 1, rdzv_timeout, max_restarts
+        nnodes,
+        nproc_per_node,
+        master_addr or ("127.0.0.1" if hosts is None else FIRST_HOST),
+        1,
+        rdzv_timeout,
+        max_restarts,
     )
     if hosts is None:
         topology, nodes = check_launch(topology, master_port, local_nodes)

@@ -14,6 +14,8 @@ from .reporting import RUN_DIR_ENV
 from .script import Script, worker_script
 from .topology import Topology
 
+FIRST_HOST = "<the first host>"  # master_addr on SSH hosts until ssh names the first one's
+
 
 class Plan:
     """One run, checked: the script, its config (ddpnb's worker) and where it runs."""

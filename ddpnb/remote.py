@@ -34,7 +34,7 @@ from .errors import ConfigError, HostError, LaunchError, NodeLost, RunFailed
 from .job import Job, Processes, open_lifeline
 from .log import logger
 from .network import check_network
-from .plan import Plan
+from .plan import FIRST_HOST, Plan
 from .preflight import as_config, check_run
 from .report import Table
 from .rundir import PRODUCTS
@@ -131,8 +131,8 @@ class Hosts:
         self.dirs = [run_dir if s else str(self.remote_run_dir or run_dir) for s in self.shared]
         names = list(plan.script.payload())
         _check_remote_dirs(self.ssh, self.parsed, self.python, self.dirs, self.shared, names, plan)
-        addr = plan.topology.master_addr
-        master_addr = addr if addr != "127.0.0.1" else self.ssh.hostname(self.parsed[0])
+        addr = plan.topology.master_addr  # the user's, or a placeholder for the first host's
+        master_addr = addr if addr != FIRST_HOST else self.ssh.hostname(self.parsed[0])
         topology = dataclasses.replace(
             plan.topology, master_addr=master_addr, master_port=probes[0].report["port"]
         )

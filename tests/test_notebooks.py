@@ -156,6 +156,7 @@ def test_03_multi_node(executed):
     assert {k for k in base if base[k] != ddp[k]} == {"batch_size"}  # the baseline's config
     printed = _printed(out / "03_multi_node_ddp.ipynb")
     assert worker_source("wrap_model", "train_one_epoch") in printed
+    assert worker_source("who_am_i", "join_process_group") in printed  # the group's set-up
     assert worker_source("validate") in printed
     text = (out / "03_multi_node_ddp.ipynb").read_text()
     assert "bash torchrun" in text and "--node_rank=1" in text
@@ -223,6 +224,9 @@ def test_06_pitfalls(executed):
     for png in ("06_no_sampler.png", "06_oversubscription.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     text = (out / "06_pitfalls.ipynb").read_text()
+    # ddpnb.check_script names the two sampler mistakes in the worker with the switch off.
+    assert "Ranks train on the same samples" in text and "train_ddp.py:" in text
+    assert "Every epoch repeats the same order" in text
     assert "U+FF08" in text and "name 'device' is not defined" in text
     assert "PortInUseError" in text and "PITFALL SWITCH OFF" in text
 
