@@ -72,13 +72,14 @@ def run(
     if plan.config is not None:
         plan.config = check_run(plan.config, topology, here=starter.data_here)
         plan.script = worker_script(plan.config)  # its config.json holds the checked paths
+    plan.payload = plan.script.payload()  # read once: the run directory's and the hosts' files
     starter.check(plan)  # nothing written yet
     plan.run_dir = prepare_run_dir(
-        run_dir, plan.script.payload(), plan.config, resume=resume, overwrite=overwrite
+        run_dir, plan.payload, plan.config, resume=resume, overwrite=overwrite
     ).resolve()
     plan.topology = starter.preflight(plan)
     warn_if_cuda_initialised()
-    for name, data in plan.script.payload().items():
+    for name, data in plan.payload.items():
         (plan.run_dir / name).write_bytes(data)
     (plan.run_dir / "logs").mkdir(exist_ok=True)
     if plan.config is not None:

@@ -42,6 +42,7 @@ class Plan:
             raise ConfigError("env must be a dict of strings, e.g. {'NCCL_DEBUG': 'INFO'}.")
         self.env = dict(env or {})
         self.run_dir = Path()
+        self.payload: dict[str, bytes] = {}  # the script's files by name, read once by run()
         self.resume = self.overwrite = False
 
     def node_env(self, node_dir: str, procs_on_host: int, cores: int | None = None) -> dict:

@@ -129,7 +129,7 @@ class Hosts:
         self.cpus = [p.report["cpus"] for p in probes]
         run_dir = str(plan.run_dir)
         self.dirs = [run_dir if s else str(self.remote_run_dir or run_dir) for s in self.shared]
-        names = list(plan.script.payload())
+        names = list(plan.payload)
         _check_remote_dirs(self.ssh, self.parsed, self.python, self.dirs, self.shared, names, plan)
         addr = plan.topology.master_addr  # the user's, or a placeholder for the first host's
         master_addr = addr if addr != FIRST_HOST else self.ssh.hostname(self.parsed[0])
@@ -151,7 +151,7 @@ class Hosts:
         return topology
 
     def start(self, plan) -> Job:
-        topology, run_dir, payload = plan.topology, plan.run_dir, plan.script.payload()
+        topology, run_dir, payload = plan.topology, plan.run_dir, plan.payload
         todo = [n for n, s in enumerate(self.shared) if not s]
         with ThreadPoolExecutor(max_workers=len(self.parsed)) as pool:
             for _ in pool.map(
