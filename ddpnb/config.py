@@ -15,14 +15,23 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from .constants import PITFALL_SWITCHES
 from .errors import ConfigError
 
 Backend = Literal["auto", "gloo", "nccl"]
 Augment = Literal["auto", "digits", "photo", "none"]
-Pipeline = Literal["auto", "memory", "loader"]
 CommHook = Literal["auto", "shm", "none", "bf16", "fp16"]
 LrSchedule = Literal["cosine", "constant"]
+# Fields of earlier versions, dropped when an old config.json is loaded (its run still
+# loads and resumes): the in-memory pipeline and notebook 06's pitfall switches, whose
+# lessons are now variants of the worker script (ddpnb.pitfalls).
+RETIRED_KEYS = (
+    "pipeline",
+    "distributed_sampler",
+    "set_epoch",
+    "exact_validation",
+    "reduce_sums",
+    "thread_budget",
+)
 
 
 def check_int(name: str, value: object, low: int = 1, high: int | None = None) -> int:
@@ -41,8 +50,8 @@ def check_int(name: str, value: object, low: int = 1, high: int | None = None) -
 
 
 def _default_num_workers() -> int:
-    # DataLoader workers compete with compute for the same cores; on a small host
-    # the in-memory pipeline needs none, so only big hosts get a few.
+    # DataLoader workers compete with compute for the same cores: on a small host the
+    # batches are made in the training process, only big hosts get a few workers.
     cores = os.cpu_count() or 1
     return 0 if cores <= 4 else min(4, cores // 4)
 
@@ -76,9 +85,6 @@ class TrainConfig:
     lr_schedule: LrSchedule = "cosine"
     seed: int = 0
     num_workers: int = dataclasses.field(default_factory=_default_num_workers)
-    #: ``memory`` decodes the dataset once into a tensor and slices batches from it;
-    #: ``loader`` is the classic per-sample DataLoader; ``auto`` picks memory when it fits.
-    pipeline: Pipeline = "auto"
     backend: Backend = "auto"
     #: bf16 autocast, applied on CUDA only.
     amp: bool = True
@@ -96,19 +102,6 @@ class TrainConfig:
     #: ``auto`` takes ``shm`` when every rank shares this host's /dev/shm, else ``none``.
     comm_hook: CommHook = "auto"
     channels_last: bool = False
-    # -- pitfall switches (notebook 06) ----------------------------------------------
-    # Each defaults to the correct behaviour. Turning one off reproduces a classic DDP
-    # mistake on purpose, and the worker and the launcher print a loud warning.
-    #: False: no ``DistributedSampler``; every rank trains on the whole split (the classic example).
-    distributed_sampler: bool = True
-    #: False: ``sampler.set_epoch`` is never called, so every epoch repeats the same order.
-    set_epoch: bool = True
-    #: False: validation through a padded ``DistributedSampler`` (some images count twice).
-    exact_validation: bool = True
-    #: False: reported metrics are the mean of per-rank means instead of reduced sums/counts.
-    reduce_sums: bool = True
-    #: False: every process takes torch's default thread count (simulated nodes oversubscribe).
-    thread_budget: bool = True
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -135,20 +128,6 @@ class TrainConfig:
             raise ConfigError(
                 "model must name a torchvision classification model, e.g. 'resnet18'."
             )
-        if not self.thread_budget and self.threads:
-            raise ConfigError(
-                f"thread_budget=False leaves the thread count to torch, but threads={self.threads} "
-                "fixes it. Set threads=0 to reproduce oversubscription, or thread_budget=True."
-            )
-
-    @property
-    def pitfalls_off(self) -> list[str]:
-        """Names of the pitfall switches turned off (empty for a correct run).
-
-        >>> TrainConfig(set_epoch=False).pitfalls_off
-        ['set_epoch']
-        """
-        return [name for name in PITFALL_SWITCHES if not getattr(self, name)]
 
     # -- serialisation -------------------------------------------------------------
 
@@ -165,6 +144,13 @@ class TrainConfig:
         """
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(valid))
+        retired = [k for k in unknown if k in RETIRED_KEYS]
+        if retired:
+            raise ConfigError(
+                f"{', '.join(retired)}: no longer a config field. The in-memory pipeline is "
+                "gone (a DataLoader serves every run), and the pitfall switches became "
+                "variants of the worker script: ddpnb.pitfalls.script(config, name, folder)."
+            )
         if unknown:
             raise ConfigError(
                 f"Unknown config key(s) {unknown}. Valid keys are: {', '.join(valid)}."
@@ -191,7 +177,8 @@ class TrainConfig:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"Cannot read config {path}: {e}") from e
-        return cls.from_dict(data)
+        # An earlier version's run still loads (and resumes): its retired fields are dropped.
+        return cls.from_dict({k: v for k, v in data.items() if k not in RETIRED_KEYS})
 
 
 def _check_types(cfg: TrainConfig) -> None:

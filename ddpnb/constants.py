@@ -1,9 +1,9 @@
-"""What the package and the worker must agree on, stdlib only.
+"""What the package and the worker share, stdlib only: one copy of each.
 
-The worker (``train_ddp.py``) is a standalone copy and cannot import the package, so
-it holds its own copy of these names; ``tests/test_constants.py`` checks that the two
-copies match. Keeping them here lets ``import ddpnb`` (and ``ddpnb check``) run without
-importing torch.
+The worker (``train_ddp.py``) runs on nodes without ddpnb installed, so this file goes
+beside it as ``ddpnb_constants.py`` (like the reporting file) and the worker imports it
+from there. Keeping it free of torch lets ``import ddpnb`` (and ``ddpnb check``) stay
+light.
 """
 
 from __future__ import annotations
@@ -15,15 +15,6 @@ from pathlib import Path
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-# The pitfall switches (config field -> what goes wrong when it is False): each reproduces
-# a classic DDP mistake on purpose, for notebook 06. All are True in a correct run.
-PITFALL_SWITCHES = {
-    "distributed_sampler": "no DistributedSampler: every rank trains on the whole split",
-    "set_epoch": "sampler.set_epoch is never called: every epoch repeats the same order",
-    "exact_validation": "validation over padded DistributedSampler shards: some images count twice",
-    "reduce_sums": "metrics are the mean of per-rank means, not reduced sums and counts",
-    "thread_budget": "each process takes torch's default thread count: cores oversubscribed",
-}
 # Fields that may change on resume without invalidating the checkpoint: how long to
 # train and wait, and how gradients travel (the averaged values are the same).
 RESUMABLE_KEYS = ("epochs", "timeout_seconds", "comm_hook", "bucket_cap_mb")

@@ -27,7 +27,6 @@ from .preflight import (
     check_launch,
     check_run,
     warn_if_cuda_initialised,
-    warn_pitfalls,
 )
 from .rundir import prepare_run_dir
 from .script import Script, worker_script
@@ -82,8 +81,6 @@ def run(
     for name, data in plan.payload.items():
         (plan.run_dir / name).write_bytes(data)
     (plan.run_dir / "logs").mkdir(exist_ok=True)
-    if plan.config is not None:
-        warn_pitfalls(plan.config)
     job = starter.start(plan)
     return job.wait() if wait else job
 

@@ -1,13 +1,133 @@
-"""Notebook 06's helpers: runs with pitfall switches off, side by side with a correct one."""
+"""Notebook 06's pitfalls: the classic DDP mistakes as variants of the worker script.
+
+Each pitfall is a small edit of ``train_ddp.py`` (ddpnb's worker), marked ``# MISTAKE``.
+:func:`script` writes the variant and returns it as a :class:`~ddpnb.Script` to launch
+beside the correct worker, :func:`diff` shows the edit, and ``ddpnb.check_script`` names
+the mistake where it can see it. The correct worker holds no switch for any of them.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from .config import TrainConfig
+from .errors import ConfigError
 from .metrics import RunMetrics, load_metrics
+from .script import Script, worker_script
+from .source import WORKER_PATH
+
+
+@dataclasses.dataclass(frozen=True)
+class Pitfall:
+    """One classic mistake: what goes wrong, and the worker's lines it edits.
+
+    Each edit is (a text found on exactly one line, what replaces that whole line at
+    its indentation); an empty replacement deletes the line.
+    """
+
+    harm: str
+    edits: tuple[tuple[str, str], ...]
+
+
+PITFALLS = {
+    "no_sampler": Pitfall(
+        "no DistributedSampler: every rank trains on the whole split, in the same order",
+        (
+            (
+                "DataLoader(train_set, sampler=train_sampler, **loader)",
+                "train_loader = DataLoader(train_set, shuffle=True, **loader)  # MISTAKE: no sampler",
+            ),
+        ),
+    ),
+    "no_set_epoch": Pitfall(
+        "sampler.set_epoch is never called: every epoch repeats epoch 0's order",
+        (
+            (
+                "data.train_sampler.set_epoch(epoch)",
+                "pass  # MISTAKE: data.train_sampler.set_epoch(epoch) is missing",
+            ),
+        ),
+    ),
+    "padded_validation": Pitfall(
+        "validation through a padded DistributedSampler: some images count twice",
+        (
+            (
+                "    val_set = Subset(val_set, range(me.global_rank, len(val_set), me.world_size))\n",
+                "",
+            ),
+            (
+                "DataLoader(val_set, shuffle=False, **loader)",
+                "val_loader = DataLoader(val_set, sampler=DistributedSampler(val_set, shuffle=False),"
+                " **loader)  # MISTAKE: padded shards",
+            ),
+        ),
+    ),
+    "mean_of_means": Pitfall(
+        "metrics are the mean of per-rank means, not reduced sums and counts",
+        (
+            (
+                "totals = torch.cat([train_sums, val_sums])",
+                "totals = torch.cat([s / s[2] / me.world_size for s in (train_sums, val_sums)])"
+                "  # MISTAKE: each rank's means",
+            ),
+        ),
+    ),
+    "no_thread_budget": Pitfall(
+        "no thread budget: every process takes all of the host's cores (oversubscribed)",
+        (
+            (
+                'torch.set_num_threads(cfg["threads"] or cpu_share(me))',
+                "pass  # MISTAKE: torch.set_num_threads(...) is missing",
+            ),
+        ),
+    ),
+}
+
+
+def variant(name: str) -> str:
+    """The worker's source with pitfall ``name``'s edits."""
+    if name not in PITFALLS:
+        raise ConfigError(f"No pitfall {name!r}; the pitfalls are: {', '.join(PITFALLS)}.")
+    lines = WORKER_PATH.read_text().splitlines(keepends=True)
+    for old, new in PITFALLS[name].edits:
+        found = [i for i, line in enumerate(lines) if old in line]
+        if len(found) != 1:  # tests/test_pitfalls.py keeps every edit applicable
+            raise ValueError(f"pitfall {name}: {len(found)} lines of the worker hold {old!r}")
+        line = lines[found[0]]
+        indent = line[: len(line) - len(line.lstrip())]
+        lines[found[0]] = indent + new + "\n" if new else ""
+    return "".join(lines)
+
+
+def diff(name: str, context: int = 1) -> str:
+    """The edit that makes pitfall ``name``, as a unified diff of ``train_ddp.py``."""
+    lines = difflib.unified_diff(
+        WORKER_PATH.read_text().splitlines(True),
+        variant(name).splitlines(True),
+        "train_ddp.py",
+        f"train_ddp.py ({name})",
+        n=context,
+    )
+    return "".join(lines)
+
+
+def script(config: TrainConfig, name: str, folder: str | os.PathLike) -> Script:
+    """Pitfall ``name`` as a Script: the edited worker, written to ``folder``, with ``config``.
+
+    Launch it like any script: ``ddpnb.launch(script(cfg, "no_sampler", "runs"), ...)``.
+    """
+    path = Path(folder) / f"train_ddp_{name}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(variant(name))
+    # The worker runs in the run directory: a relative data_dir must not depend on that.
+    return worker_script(config.replace(data_dir=os.path.abspath(config.data_dir)), path)
+
 
 RunLike = str | os.PathLike | RunMetrics
 

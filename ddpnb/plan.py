@@ -54,8 +54,7 @@ class Plan:
             "DDPNB_LAUNCHED": "1",
         }
         cfg = self.config
-        if cfg is None or cfg.threads or cfg.thread_budget:  # pitfall: torch's default
-            threads = (cfg.threads if cfg else 0) or threads_for_host(procs_on_host, cores)
-            env["OMP_NUM_THREADS"] = str(threads)
+        threads = (cfg.threads if cfg else 0) or threads_for_host(procs_on_host, cores)
+        env["OMP_NUM_THREADS"] = str(threads)  # this process's share of the host's cores
         env.update(self.env)
         return env

@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from .agent import loopback_bind_address
-from .config import PITFALL_SWITCHES, TrainConfig, check_int
+from .config import TrainConfig, check_int
 from .data import require_valid_dataset
 from .errors import ConfigError, PortInUseError
-from .log import logger
 from .topology import Topology
 
 PROGRESS_MODES = ("auto", "widgets", "text", "none")
@@ -170,16 +169,4 @@ def warn_if_cuda_initialised() -> None:
             "not affected, but the kernel holds GPU memory they may need: restart the kernel "
             "and avoid touching CUDA in it before launching.",
             stacklevel=3,
-        )
-
-
-def warn_pitfalls(config: TrainConfig) -> None:
-    """Log a loud warning for each pitfall switch turned off (see notebook 06)."""
-    for name in config.pitfalls_off:
-        logger.warning(
-            "PITFALL SWITCH OFF: %s=False (%s). This run reproduces the mistake on purpose; "
-            "leave %s=True for correct training.",
-            name,
-            PITFALL_SWITCHES[name],
-            name,
         )

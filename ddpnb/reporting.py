@@ -19,19 +19,30 @@ unchanged everywhere. ddpnb's own worker reports through this file too.
 
 Files, in the run directory (``DDPNB_RUN_DIR``): ``progress.json`` (the latest step,
 replaced atomically) and ``metrics.jsonl`` (a JSON object per epoch).
+
+Two things ride on ``step()``, on every rank, so a script needs no more than that call:
+
+- ``DDPNB_FAULT`` (a teaching and testing aid, notebook 04): ``rank=1,epoch=3,step=5``
+  SIGKILLs global rank 1 right after step 5 of epoch 3 of the first attempt;
+  ``mode=raise`` raises instead, ``restart=N`` picks attempt N.
+- The agent watchdog: under torchrun, a rank whose torchrun agent is gone (its node lost)
+  stops with a clear error instead of training on alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
 RUN_DIR_ENV = "DDPNB_RUN_DIR"  # set by ddpnb's launcher on every node
 INTERVAL = 0.25  # seconds between progress.json writes at most (the last step is always written)
+FAULT_ENV = "DDPNB_FAULT"
 
-_state = {"run_dir": None, "last": 0.0, "first_step_time": None}
+# The agent is this process's parent when torchrun started it: noted at import.
+_state = {"run_dir": None, "last": 0.0, "first_step_time": None, "agent_pid": os.getppid()}
 
 
 def use_run_dir(path: str | os.PathLike | None) -> None:
@@ -78,6 +89,9 @@ def step(step: int, steps: int, *, epoch: int = 1, epochs: int = 1, loss=None) -
     """
     if _state["first_step_time"] is None:
         _state["first_step_time"] = time.time()
+        _state["fault"] = parse_fault(os.environ.get(FAULT_ENV, ""))
+    _check_agent()
+    _inject_fault(step, epoch)
     now = time.monotonic()
     if run_dir() is None or (now - _state["last"] < INTERVAL and step < steps):
         return
@@ -86,6 +100,43 @@ def step(step: int, steps: int, *, epoch: int = 1, epochs: int = 1, loss=None) -
     if loss is not None:  # a tensor's item(): no autograd warning, one number
         record["loss"] = loss.item() if hasattr(loss, "item") else float(loss)
     _write_progress(record)
+
+
+def parse_fault(spec: str) -> dict | None:
+    """``DDPNB_FAULT`` as a dict (``rank=1,epoch=3,step=5[,mode=kill|raise][,restart=0]``)."""
+    if not spec.strip():
+        return None
+    fault = {"rank": 0, "epoch": 1, "step": 1, "mode": "kill", "restart": 0}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, _, value = item.partition("=")
+        if key not in fault or (key == "mode" and value not in ("kill", "raise")):
+            raise ValueError(
+                f"{FAULT_ENV}={spec!r}: {item!r} is not understood. Write it as "
+                "rank=R,epoch=E,step=S (S counts from 1), optionally ,mode=kill|raise,restart=N."
+            )
+        fault[key] = value if key == "mode" else int(value)
+    return fault
+
+
+def _inject_fault(step: int, epoch: int) -> None:
+    fault = _state["fault"]
+    here = (int(os.environ.get("RANK", 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    if not fault or (fault["rank"], fault["restart"]) != here:
+        return
+    if (fault["epoch"], fault["step"]) == (epoch, step):
+        print(f"{FAULT_ENV}: {fault['mode']} at epoch {epoch} step {step}", flush=True)
+        if fault["mode"] == "raise":
+            raise RuntimeError(f"{FAULT_ENV} injected failure at epoch {epoch} step {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _check_agent() -> None:
+    if "TORCHELASTIC_RUN_ID" in os.environ and os.getppid() != _state["agent_pid"]:
+        raise RuntimeError(
+            f"The torchrun agent (pid {_state['agent_pid']}) of node "
+            f"{os.environ.get('GROUP_RANK', '?')} is gone: this node is lost, so its worker "
+            "stops too. Relaunch with resume=True."
+        )
 
 
 def epoch(epoch: int, **metrics: float) -> None:

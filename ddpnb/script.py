@@ -18,6 +18,7 @@ from .errors import ConfigError
 REPORTING_NAME = "ddpnb_reporting.py"
 MESHCHECK_NAME = "ddpnb_meshcheck.py"  # the network check a Slurm job runs first
 REPORTING_PATH = Path(__file__).with_name("reporting.py")
+CONSTANTS_NAME = "ddpnb_constants.py"  # what ddpnb's worker shares with the package
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,17 +101,22 @@ class Script:
         return [f"{folder}/{self.name}", *args]
 
 
-def worker_script(config) -> Script:
+def worker_script(config, path: str | os.PathLike | None = None) -> Script:
     """ddpnb's tutorial worker as a Script: ``train_ddp.py --config config.json``.
+
+    ``path``: another version of the worker to run under that name (notebook 06's
+    pitfalls are variants of it); by default the package's own ``worker.py``. The run
+    directory also gets ``config.json`` and ``ddpnb_constants.py``, which it imports.
 
     >>> worker_script(TrainConfig()).command("/runs/a")          # doctest: +SKIP
     ['/runs/a/train_ddp.py', '--config', '/runs/a/config.json']
     """
     from .source import WORKER_PATH
 
+    constants = Path(__file__).with_name("constants.py").read_bytes()
     return Script(
-        WORKER_PATH,
+        path or WORKER_PATH,
         args=("--config", "config.json"),
         rename="train_ddp.py",
-        generated={"config.json": config.to_json().encode()},
+        generated={"config.json": config.to_json().encode(), CONSTANTS_NAME: constants},
     )

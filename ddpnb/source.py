@@ -38,12 +38,8 @@ def worker_source(*names: str) -> str:
 
     Example
     -------
-    >>> print(worker_source("sync_buffers"))
-    def sync_buffers(model: nn.Module) -> None:
-        \"\"\"Give every rank rank 0's buffers (BatchNorm running statistics).\"\"\"
-        for b in model.buffers():
-            dist.broadcast(b, src=0)
-    <BLANKLINE>
+    >>> print(worker_source("validate").splitlines()[0])
+    def validate(model: nn.Module, data: Data) -> torch.Tensor:
     """
     text = WORKER_PATH.read_text()
     spans = _definitions(text)
@@ -61,7 +57,7 @@ def worker_part1_names() -> list[str]:
     Example
     -------
     >>> worker_part1_names()[:2]
-    ['main', 'read_config']
+    ['main', 'who_am_i']
     """
     text = WORKER_PATH.read_text()
     banner = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith(PART2_BANNER))

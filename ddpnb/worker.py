@@ -1,17 +1,17 @@
 """ddpnb's training worker: image classification with DistributedDataParallel.
 
-How to read this file: Part 1 is DDP, top to bottom; Part 2 is the machinery that makes
-it robust and measurable. Part 1 starts right below the imports with ``main()``, a list
-of named steps (who am I, the process group, the same dataset everywhere, the data with
-its ``DistributedSampler``, the model wrapped in DDP, the epoch loop, the checkpoint),
-each one a short function after it. Part 2, below its banner, holds what those steps call
-and a DDP tutorial leaves out: averaging gradients through shared memory, timing, the
-progress and metrics files, fault injection, the agent watchdog, checkpoint guards.
+How to read this file: Part 1 is DDP, top to bottom, and it is what runs. ``main()`` is a
+list of steps (who am I, the process group, the data with its ``DistributedSampler``, the
+model in DDP, the epoch loop with exact validation, rank 0's checkpoint), each a short
+function after it. Part 2, below its banner, holds what a DDP tutorial leaves out: the
+same dataset on every node, augmentation, averaging gradients through shared memory,
+checkpoint guards and each rank's records.
 
-This file needs only torch, torchvision and the Python standard library, so it can
-be copied to any cluster node together with its ``config.json``. ddpnb writes both
-into the run directory; the outputs (``metrics.jsonl``, ``ranks/``,
-``checkpoints/``, ``progress.json``) go next to the config.
+It needs torch, torchvision and the Python standard library, and two stdlib files ddpnb
+places beside it: ``ddpnb_constants.py`` (what it shares with the package) and
+``ddpnb_reporting.py`` (progress for ddpnb's panel; it does nothing when run elsewhere).
+ddpnb writes them with ``config.json`` into the run directory; the outputs
+(``metrics.jsonl``, ``ranks/``, ``checkpoints/``, ``progress.json``) go there too.
 
 One node, two processes::
 
@@ -29,18 +29,9 @@ Two nodes, one process each. Node 0 is the master: it hosts the rendezvous at
 
 Without torchrun it trains as one process: ``python train_ddp.py --config config.json``.
 
-Ranks that share a host (and its /dev/shm) average gradients through shared memory
-rather than the backend's all-reduce (``comm_hook`` ``auto``, the default); across hosts
-gloo or NCCL carry them as usual.
-
 Every node needs the same dataset at ``data_dir``: at start-up the ranks compare
 dataset fingerprints and stop if they differ. The rendezvous store is not
 authenticated: run multi-node jobs on trusted networks only.
-
-Environment read besides torchrun's: ``DDPNB_PROCS_ON_HOST`` (processes sharing
-this host's cores, simulated nodes included; set by ddpnb's launcher) and
-``DDPNB_FAULT`` (a teaching/testing aid, e.g. ``rank=1,epoch=3,step=5`` SIGKILLs
-global rank 1 at that step of the first attempt; ``mode=raise`` raises instead).
 """
 
 from __future__ import annotations
@@ -52,16 +43,15 @@ import datetime
 import errno
 import hashlib
 import inspect
+import itertools
 import json
 import math
 import os
 import random
 import shutil
-import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -74,6 +64,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import transforms
 
+try:  # the stdlib files ddpnb places beside this script
+    import ddpnb_constants as constants
+    import ddpnb_reporting as report
+except ImportError:  # imported by the package as ddpnb.worker
+    from ddpnb import constants
+    from ddpnb import reporting as report
+
 # =============================================================================
 # Part 1: DDP, top to bottom
 # =============================================================================
@@ -82,109 +79,62 @@ from torchvision import transforms
 @record  # a failing rank's own traceback reaches torchrun's error report
 def main(argv: list[str] | None = None) -> None:
     """Train this process's share of the run; each line is one step of DDP."""
-    cfg, run_dir, data_dir = read_config(argv)
+    cfg, run_dir, data_dir = read_config(argv)  # Part 2: config.json, paths
     me = who_am_i()
-    monitor = Monitor(cfg, me, run_dir)  # Part 2: progress file, timings, fault injection
-    device, backend = set_up_process(cfg, me)
-    warn_about_pitfalls(cfg, me)
-    fingerprint = check_same_dataset(data_dir, me)
-    monitor.joined()  # every rank got here: the rendezvous is complete
+    device = set_up_process(cfg, me)
+    fingerprint = check_same_dataset(data_dir, me)  # Part 2: stop if nodes hold other data
+    report.joined(me.world_size)  # every rank got here: the rendezvous is complete
     data = make_data(cfg, me, data_dir, device)
 
     torch.manual_seed(cfg["seed"])  # identical init everywhere (DDP also broadcasts rank 0's)
-    model, weights_note = build_model(cfg, data.num_classes)
-    model = wrap_model(model.to(device, memory_format=data.memory_format), cfg, me, device)
+    model, weights_note = build_model(cfg, data.num_classes)  # Part 2: torchvision, new head
+    model = wrap_model(model.to(device), cfg, me, device)
     raw_model = model.module if isinstance(model, DDP) else model  # checkpoints load without DDP
-    optimizer, scheduler = make_optimizer(model, cfg, data.steps_per_epoch)
-    gradients = monitor.watch(model, optimizer, cfg, backend)  # Part 2: comm hook and timing
+    optimizer, scheduler = make_optimizer(model, cfg, data.steps_per_epoch)  # Part 2: SGD
     ckpt_path = run_dir / "checkpoints" / "last.pt"
     start_epoch = resume(ckpt_path, cfg, fingerprint, raw_model, optimizer, scheduler, me)
-    monitor.start_run(start_epoch, data, device, backend, gradients, weights_note)
+    # Part 2: ranks/, metrics.jsonl and effective_config.json; timings by hooks, not in the loop
+    records = Records(cfg, me, run_dir, data, start_epoch, model, optimizer, weights_note)
 
-    amp = cfg["amp"] and device.type == "cuda"  # bf16 autocast on CUDA; CPU trains in fp32
     for epoch in range(start_epoch, cfg["epochs"] + 1):
-        if cfg["set_epoch"]:  # pitfall set_epoch=False: epoch 0's order forever
-            data.train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        train_sums = train_one_epoch(model, data, optimizer, scheduler, epoch, amp, monitor)
-        val_sums = validate(model, data, amp)
+        data.train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        started = time.perf_counter()
+        train_sums = train_one_epoch(model, data, optimizer, scheduler, epoch, cfg)
+        train_seconds = time.perf_counter() - started
+        val_sums = validate(model, data)
         metrics = reduce_epoch_metrics(train_sums, val_sums, me)
-        monitor.write_metrics(epoch, metrics, train_sums, val_sums, raw_model, scheduler, data)
+        records.epoch(epoch, metrics, train_sums, val_sums, train_seconds, scheduler)
         save_checkpoint(ckpt_path, epoch, cfg, me, raw_model, optimizer, scheduler, fingerprint)
         if me.distributed:
             dist.barrier()  # nobody starts the next epoch before the checkpoint is on disk
 
-    monitor.done(data.steps_per_epoch)
+    report.done(cfg["epochs"], data.steps_per_epoch)
     if me.distributed:
         dist.destroy_process_group()
-
-
-def read_config(argv: list[str] | None) -> tuple[dict, Path, Path]:
-    """The run's settings (config.json holds every TrainConfig field), run_dir and data_dir."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="config.json written by ddpnb")
-    parser.add_argument("--run-dir", help="where outputs go (default: the config's folder)")
-    args = parser.parse_args(argv)
-    cfg = json.loads(Path(args.config).read_text())
-    run_dir = Path(args.run_dir or Path(args.config).resolve().parent)
-    data_dir = Path(cfg["data_dir"])
-    if not data_dir.is_absolute() and not data_dir.exists():
-        data_dir = run_dir / data_dir  # a relative data_dir may be relative to the run
-    return cfg, run_dir, data_dir
-
-
-@dataclasses.dataclass(frozen=True)
-class Rank:
-    """Who this process is in the run, in torchrun's terms."""
-
-    distributed: bool  # started by torchrun; False: one plain process
-    global_rank: int  # 0 .. world_size - 1 across all nodes (RANK)
-    local_rank: int  # 0 .. local_world_size - 1 on this node: picks the GPU (LOCAL_RANK)
-    world_size: int  # processes in the whole run (WORLD_SIZE)
-    local_world_size: int  # processes on this node (LOCAL_WORLD_SIZE)
-    node_rank: int  # this node's number; node 0 hosts the rendezvous (GROUP_RANK)
-    restart_count: int  # torchrun restarts so far (TORCHELASTIC_RESTART_COUNT)
-
-    @property
-    def master_process(self) -> bool:
-        return self.global_rank == 0  # does the run's file I/O
-
-    def log(self, msg: str) -> None:
-        # ddpnb's launcher has torchrun prefix every line with the rank already.
-        prefix = "" if os.environ.get("DDPNB_LAUNCHED") else f"[rank {self.global_rank}] "
-        print(prefix + msg, flush=True)
 
 
 def who_am_i() -> Rank:
     """This process's place in the run, from torchrun's environment (or one process)."""
     env = os.environ
     return Rank(
-        distributed="RANK" in env,
-        global_rank=int(env.get("RANK", 0)),
-        local_rank=int(env.get("LOCAL_RANK", 0)),
-        world_size=int(env.get("WORLD_SIZE", 1)),
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
-        node_rank=int(env.get("GROUP_RANK", 0)),
-        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        distributed="RANK" in env,  # started by torchrun; otherwise one plain process
+        global_rank=int(env.get("RANK", 0)),  # 0 .. world_size - 1 across all nodes
+        local_rank=int(env.get("LOCAL_RANK", 0)),  # 0 .. on this node: picks the GPU
+        world_size=int(env.get("WORLD_SIZE", 1)),  # processes in the whole run
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),  # processes on this node
+        node_rank=int(env.get("GROUP_RANK", 0)),  # this node; node 0 hosts the rendezvous
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),  # torchrun restarts
     )
 
 
-def set_up_process(cfg: dict, me: Rank) -> tuple[torch.device, str]:
-    """Pick this rank's device, then join the process group; returns (device, backend)."""
-    if torch.cuda.is_available() and cfg["backend"] != "gloo":
-        device = cuda_device(me)  # Part 2: one GPU per process on each node, checked
+def set_up_process(cfg: dict, me: Rank) -> torch.device:
+    """Pick this rank's device and threads, then join the process group."""
+    device = pick_device(cfg, me)  # Part 2: GPU number LOCAL_RANK (checked), else the CPU
+    if device.type == "cuda":
         torch.cuda.set_device(device)  # before init: nccl and the object collectives use it
-        torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks its kernels once
-    elif cfg["backend"] == "nccl":
-        raise RuntimeError(
-            f"backend='nccl' needs CUDA GPUs, and {socket.gethostname()} has none visible to "
-            "torch. Use backend='auto' (nccl on GPUs, gloo elsewhere) or 'gloo'."
-        )
-    else:
-        device = torch.device("cpu")
-        set_thread_budget(cfg, me)  # Part 2: this process's share of the host's cores
-    backend = cfg["backend"]
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
+    else:  # this process's share of the host's cores; torch's default, every core in every
+        torch.set_num_threads(cfg["threads"] or cpu_share(me))  # process: 8x slower here
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if me.distributed:
         join_process_group(backend, cfg["timeout_seconds"], me, device)
     me.log(
@@ -192,7 +142,7 @@ def set_up_process(cfg: dict, me: Rank) -> tuple[torch.device, str]:
         f"{socket.gethostname()}, {device}, backend {backend if me.distributed else 'none'}, "
         f"threads {torch.get_num_threads()}, attempt {me.restart_count}"
     )
-    return device, backend
+    return device
 
 
 def join_process_group(backend: str, timeout_seconds: int, me: Rank, device: torch.device) -> None:
@@ -215,96 +165,25 @@ def join_process_group(backend: str, timeout_seconds: int, me: Rank, device: tor
     )
 
 
-def check_same_dataset(data_dir: Path, me: Rank) -> str:
-    """This node's dataset fingerprint, once every rank has shown it holds the same data."""
-    fingerprint = dataset_fingerprint(data_dir)
-    if me.distributed:
-        seen = [None] * me.world_size
-        dist.all_gather_object(seen, (me.node_rank, socket.gethostname(), fingerprint))
-        differing = sorted({(n, h) for n, h, fp in seen if fp != seen[0][2]})
-        if differing:
-            names = ", ".join(f"node {n} ({h})" for n, h in differing)
-            raise RuntimeError(
-                f"The dataset at {data_dir} differs between nodes: {names} hold data whose "
-                f"fingerprint differs from node 0's ({seen[0][2][:12]}). Copy the identical "
-                "dataset to every node (rsync -a, or a shared filesystem) and run again."
-            )
-    return fingerprint
-
-
-@dataclasses.dataclass
-class Data:
-    """This rank's data, as make_data returns it."""
-
-    train_sampler: DistributedSampler  # this rank's shard of train; set_epoch reshuffles it
-    train_batches: Callable[[int], Iterator]  # train_batches(epoch): (x, y) on the device
-    val_batches: Callable[[], Iterator]  # this rank's exact validation shard, in batches
-    steps_per_epoch: int
-    num_classes: int
-    device: torch.device
-    memory_format: torch.memory_format
-    augment: str  # what was made of augment="auto", and why
-    augment_reason: str
-    pipeline: str  # "memory" (decoded once) or "loader" (a DataLoader)
-    decode_seconds: float  # the memory pipeline's one-off decode of every image
-
-
 def make_data(cfg: dict, me: Rank, data_dir: Path, device: torch.device) -> Data:
-    """This rank's shard of train (a DistributedSampler) and of val (exact), as batches."""
-    train_set, val_set, augment, augment_reason = image_folders(cfg, me, data_dir)  # Part 2
+    """This rank's shard of train (a DistributedSampler) and of val (exact), as DataLoaders."""
+    train_set, val_set, augment = image_folders(cfg, me, data_dir)  # Part 2: transforms
     # Every rank draws the same seeded shuffle and keeps its own 1/world_size of it (padded
     # with repeats, so every rank takes the same number of steps).
-    # Pitfall distributed_sampler=False: one shard holding the whole split, on every rank.
-    sharded = cfg["distributed_sampler"]
     train_sampler = DistributedSampler(
-        train_set,
-        num_replicas=me.world_size if sharded else 1,
-        rank=me.global_rank if sharded else 0,
-        shuffle=True,
-        seed=cfg["seed"],
+        train_set, num_replicas=me.world_size, rank=me.global_rank, shuffle=True, seed=cfg["seed"]
     )
-    # Validation shards without padding: rank r takes every world_size-th image, so each
-    # image is counted exactly once and the result does not depend on world size.
-    val_indices = list(range(me.global_rank, len(val_set), me.world_size))
-    if not cfg["exact_validation"]:  # pitfall: shards padded with repeated images
-        val_indices = list(
-            DistributedSampler(
-                val_set, num_replicas=me.world_size, rank=me.global_rank, shuffle=False
-            )
-        )
-    pipeline = choose_pipeline(cfg, train_set, val_set)  # Part 2: "memory" if it fits in RAM
-    if pipeline == "memory":  # Part 2: decoded once, batches sliced from tensors
-        train_batches, val_batches, decode_seconds = memory_batches(
-            cfg, me, train_set, val_set, train_sampler, val_indices, augment, device
-        )
-    else:  # the classic pipeline: a DataLoader that draws this rank's indices from the sampler
-        loader_args = dict(
-            batch_size=cfg["batch_size"],
-            num_workers=cfg["num_workers"],
-            pin_memory=device.type == "cuda",
-        )
-        train_loader = DataLoader(train_set, sampler=train_sampler, **loader_args)
-        val_loader = DataLoader(Subset(val_set, val_indices), shuffle=False, **loader_args)
-        train_batches = lambda epoch: on_device(train_loader, device, non_blocking=True)
-        val_batches = lambda: on_device(val_loader, device, non_blocking=False)
-        decode_seconds = 0.0
-    steps_per_epoch = math.ceil(len(train_sampler) / cfg["batch_size"])
-    if cfg["max_steps_per_epoch"]:
-        steps_per_epoch = min(steps_per_epoch, cfg["max_steps_per_epoch"])
-    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
-    return Data(
-        train_sampler=train_sampler,
-        train_batches=train_batches,
-        val_batches=val_batches,
-        steps_per_epoch=steps_per_epoch,
-        num_classes=len(train_set.classes),
-        device=device,
-        memory_format=memory_format,
-        augment=augment,
-        augment_reason=augment_reason,
-        pipeline=pipeline,
-        decode_seconds=decode_seconds,
-    )
+    # Validation without padding: rank r takes every world_size-th image, so each image
+    # counts exactly once and the result does not depend on the world size.
+    val_set = Subset(val_set, range(me.global_rank, len(val_set), me.world_size))
+    workers = cfg["num_workers"]  # 0: batches made in this process (small hosts)
+    loader = dict(batch_size=cfg["batch_size"], num_workers=workers, persistent_workers=workers > 0)
+    loader["pin_memory"] = device.type == "cuda"  # page-locked: copies to the GPU overlap
+    train_loader = DataLoader(train_set, sampler=train_sampler, **loader)
+    val_loader = DataLoader(val_set, shuffle=False, **loader)
+    steps = min(len(train_loader), cfg["max_steps_per_epoch"] or len(train_loader))
+    classes = len(train_set.classes)
+    return Data(train_sampler, train_loader, val_loader, steps, classes, *augment)
 
 
 def wrap_model(model: nn.Module, cfg: dict, me: Rank, device: torch.device) -> nn.Module:
@@ -313,117 +192,78 @@ def wrap_model(model: nn.Module, cfg: dict, me: Rank, device: torch.device) -> n
     # copies and an all-reduce with itself (about 10% of a 1-process epoch, measured).
     if me.world_size == 1:
         return model
-    return DDP(
+    ddp = DDP(
         model,
         device_ids=[me.local_rank] if device.type == "cuda" else None,
         bucket_cap_mb=cfg["bucket_cap_mb"],
         gradient_as_bucket_view=True,
-        # Rank 0's BatchNorm statistics are sent once per epoch (sync_buffers), not
-        # before every forward: training never reads them, and a per-step broadcast
-        # is one more point where every rank waits for the slowest.
+        # Rank 0's BatchNorm statistics are sent once per epoch (validate), not before
+        # every forward: training never reads them.
         **no_forward_buffer_sync(),
     )
+    # How each gradient bucket is averaged (comm_hook). On one host with gloo: through
+    # shared memory, replacing gloo's TCP loopback, 1.11x the images/s of plain DDP on 2
+    # CPU cores (bench/levers.py), the same sums as gloo's. Else the backend's all-reduce.
+    ddp.register_comm_hook(COMM, gradient_hook(cfg, me, device))  # Part 2: chosen, timed
+    return ddp
 
 
-def make_optimizer(model: nn.Module, cfg: dict, steps_per_epoch: int):
-    """SGD with momentum, and its learning-rate schedule (stepped after every step)."""
-    optimizer = make_sgd(model.parameters(), cfg)  # Part 2: the fused kernel where torch has it
-    total_steps = cfg["epochs"] * steps_per_epoch
-    if cfg["lr_schedule"] == "cosine":
-        schedule = lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
-    else:
-        schedule = lambda step: 1.0
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
-    """Load the last checkpoint, if any (also after a torchrun restart): the first epoch to run."""
-    if not path.exists():
-        return 1
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    check_checkpoint_fits(ckpt, path, cfg, fingerprint)  # Part 2: same config, same dataset
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    scheduler.load_state_dict(ckpt["scheduler"])
-    # Each rank continues its own random streams (the loader pipeline's transforms
-    # draw from them); with another world size the per-epoch seeds still hold.
-    if isinstance(ckpt["rng"], list) and len(ckpt["rng"]) == me.world_size:
-        set_rng_state(ckpt["rng"][me.global_rank], next(model.parameters()).is_cuda)
-    me.log(f"resumed from {path} after epoch {ckpt['epoch']}")
-    return ckpt["epoch"] + 1
-
-
-def train_one_epoch(model, data, optimizer, scheduler, epoch, amp, monitor) -> torch.Tensor:
+def train_one_epoch(model, data, optimizer, scheduler, epoch: int, cfg: dict) -> torch.Tensor:
     """One pass over this rank's shard of train; returns its sums (loss*n, correct, n)."""
     model.train()
-    sums = torch.zeros(3, dtype=torch.float64, device=data.device)  # loss*n, correct, n
-    batches = monitor.start_epoch(epoch, data)  # data.train_batches(epoch), timed (Part 2)
-    for step, (x, y) in enumerate(batches):
-        x = x.contiguous(memory_format=data.memory_format)
-        with torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=amp):
+    device = next(model.parameters()).device
+    amp = cfg["amp"] and device.type == "cuda"  # bf16 autocast on CUDA; CPU trains in fp32
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    batches = itertools.islice(data.train_loader, data.steps_per_epoch)
+    for step, (x, y) in enumerate(batches, 1):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(x)
             loss = F.cross_entropy(logits, y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP all-reduces gradient buckets while backward runs
+        loss.backward()  # DDP averages gradient buckets over all ranks while backward runs
         optimizer.step()
         scheduler.step()
-        sums += batch_sums(loss.detach(), logits, y)
-        monitor.after_step(step, loss)  # Part 2: timings, progress file, fault injection
+        sums += batch_sums(loss.detach(), logits, y)  # Part 2: (loss*n, correct, n)
+        report.step(step, data.steps_per_epoch, epoch=epoch, epochs=cfg["epochs"], loss=loss)
     return sums
 
 
-def validate(model, data, amp) -> torch.Tensor:
+def validate(model: nn.Module, data: Data) -> torch.Tensor:
     """Sums (loss*n, correct, n) over this rank's exact shard of val."""
     net = model.module if isinstance(model, DDP) else model
     if isinstance(model, DDP):
-        sync_buffers(net)  # every rank validates the model rank 0 checkpoints
-    # Validation on the unwrapped model: no DDP collectives inside, so ranks whose
-    # shards differ by one batch cannot hang each other.
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=data.device)
-    with torch.no_grad(), torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=amp):
-        for x, y in data.val_batches():
-            logits = net(x.contiguous(memory_format=data.memory_format))
+        for buffer in net.buffers():  # BatchNorm statistics: every rank validates rank 0's
+            dist.broadcast(buffer, src=0)
+    # The unwrapped model: no DDP collectives inside, so ranks whose shards differ by
+    # one batch cannot hang each other.
+    net.eval()
+    device = next(net.parameters()).device
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    with (
+        torch.no_grad(),
+        torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"),
+    ):
+        for x, y in data.val_loader:
+            x, y = x.to(device), y.to(device)
+            logits = net(x)
             sums += batch_sums(F.cross_entropy(logits.float(), y), logits, y)
     return sums
 
 
-def batch_sums(loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(loss*n, correct, n) of one batch, in float64: sums, not means, add up over ranks."""
-    n = y.shape[0]
-    return torch.stack(
-        [
-            loss.double() * n,
-            (logits.argmax(1) == y).sum().double(),
-            torch.full((), float(n), dtype=torch.float64, device=y.device),  # no host copy
-        ]
-    )
-
-
-def sync_buffers(model: nn.Module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running statistics)."""
-    for b in model.buffers():
-        dist.broadcast(b, src=0)
-
-
 def reduce_epoch_metrics(train_sums: torch.Tensor, val_sums: torch.Tensor, me: Rank) -> dict:
     """The epoch's metrics over all ranks: sums and counts are reduced, then divided."""
-    # This rank's own means (loss, acc for train then val) ride along in the same
-    # all_reduce: their average is the mean of means that reduce_sums=False reports.
-    rank_means = torch.cat([s[:2] / s[2].clamp(min=1) for s in (train_sums, val_sums)])
-    totals = torch.cat([train_sums, val_sums, rank_means])
+    totals = torch.cat([train_sums, val_sums])  # loss*n, correct, n of train, then of val
     if me.distributed:
-        dist.all_reduce(totals)  # sums and counts, never means of means
-    train_loss, train_correct, train_n, val_loss, val_correct, val_n = totals[:6].tolist()
+        dist.all_reduce(totals)  # sums and counts over every rank, never means of means
+    train_loss, train_correct, train_n, val_loss, val_correct, val_n = totals.tolist()
     return {
         "train_loss": train_loss / train_n,
         "train_acc": train_correct / train_n,
         "val_loss": val_loss / max(val_n, 1),
         "val_acc": val_correct / max(val_n, 1),
-        "train_samples": int(train_n),
-        "val_samples": int(val_n),
-        "mean_of_means": (totals[6:] / me.world_size).tolist(),
-        "rank_means": rank_means.tolist(),
+        "train_samples": round(train_n),
+        "val_samples": round(val_n),
     }
 
 
@@ -442,7 +282,6 @@ def save_checkpoint(path, epoch, cfg, me, model, optimizer, scheduler, fingerpri
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "epoch": epoch,
-            "sampler_epoch": epoch,
             "config": cfg,
             "fingerprint": fingerprint,
             "rng": rngs,  # one entry per global rank
@@ -454,320 +293,90 @@ def save_checkpoint(path, epoch, cfg, me, model, optimizer, scheduler, fingerpri
 # Part 2: the machinery (what Part 1 calls to be robust and measurable)
 # =============================================================================
 
-try:  # progress.json and metrics.jsonl: the reporting file ddpnb places beside every script
-    import ddpnb_reporting as report
-except ImportError:  # imported as ddpnb.worker (the package reads a few helpers)
-    from ddpnb import reporting as report
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-MEMORY_PIPELINE_BYTES = 2 << 30  # decode into RAM when the uint8 tensors fit in this
-# The pitfall switches (config field -> what goes wrong when it is False): each reproduces
-# a classic DDP mistake on purpose, for notebook 06. All are True in a correct run.
-PITFALL_SWITCHES = {
-    "distributed_sampler": "no DistributedSampler: every rank trains on the whole split",
-    "set_epoch": "sampler.set_epoch is never called: every epoch repeats the same order",
-    "exact_validation": "validation over padded DistributedSampler shards: some images count twice",
-    "reduce_sums": "metrics are the mean of per-rank means, not reduced sums and counts",
-    "thread_budget": "each process takes torch's default thread count: cores oversubscribed",
-}
-# Fields that may change on resume without invalidating the checkpoint: how long to
-# train and wait, and how gradients travel (the averaged values are the same).
-RESUMABLE_KEYS = ("epochs", "timeout_seconds", "comm_hook", "bucket_cap_mb")
+def read_config(argv: list[str] | None) -> tuple[dict, Path, Path]:
+    """The run's settings (config.json holds every TrainConfig field), run_dir and data_dir."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="config.json written by ddpnb")
+    parser.add_argument("--run-dir", help="where outputs go (default: the config's folder)")
+    args = parser.parse_args(argv)
+    cfg = json.loads(Path(args.config).read_text())
+    run_dir = Path(args.run_dir or Path(args.config).resolve().parent)
+    data_dir = Path(cfg["data_dir"])
+    if not data_dir.is_absolute() and not data_dir.exists():
+        data_dir = run_dir / data_dir  # a relative data_dir may be relative to the run
+    report.use_run_dir(run_dir)  # progress.json and metrics.jsonl, also when run by hand
+    return cfg, run_dir, data_dir
 
 
-# -- around every step: timings, progress.json, fault injection, the agent watchdog ------
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """Who this process is in the run, in torchrun's terms (``who_am_i`` reads them)."""
+
+    distributed: bool
+    global_rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    restart_count: int
+
+    @property
+    def master_process(self) -> bool:
+        return self.global_rank == 0  # does the run's file I/O
+
+    def log(self, msg: str) -> None:
+        # ddpnb's launcher has torchrun prefix every line with the rank already.
+        prefix = "" if os.environ.get("DDPNB_LAUNCHED") else f"[rank {self.global_rank}] "
+        print(prefix + msg, flush=True)
 
 
-class Monitor:
-    """Everything Part 1 does besides training, in one place.
+@dataclasses.dataclass
+class Data:
+    """This rank's data, as make_data returns it."""
 
-    It writes ``progress.json`` (phases ``joined``, ``train``, ``done``), the per-epoch
-    rows of ``metrics.jsonl`` (rank 0) and ``ranks/rank-N.jsonl`` (every rank) and
-    ``effective_config.json``; it times data, compute and exposed communication; it
-    injects ``DDPNB_FAULT``; and it stops this worker if its torchrun agent is gone.
-    """
+    train_sampler: DistributedSampler  # set_epoch(epoch) reshuffles this rank's shard
+    train_loader: DataLoader
+    val_loader: DataLoader
+    steps_per_epoch: int
+    num_classes: int
+    augment: str  # what augment="auto" became,
+    augment_reason: str  # and why
 
-    def __init__(self, cfg: dict, me: Rank, run_dir: Path) -> None:
-        self.cfg, self.me, self.run_dir = cfg, me, run_dir
-        self.fault = (
-            parse_fault(os.environ["DDPNB_FAULT"]) if os.environ.get("DDPNB_FAULT") else None
-        )
-        self.agent_pid = os.getppid()  # torchrun's agent; if it dies, this node is lost: stop too
-        report.use_run_dir(run_dir)  # progress.json and metrics.jsonl: the reporting file
-        self.metrics_path = run_dir / "metrics.jsonl"
-        self.rank_path = run_dir / "ranks" / f"rank-{me.global_rank}.jsonl"
-        self.comm = {"blocked": 0.0, "returned": None}  # the comm hook's timing of each step
-        self.backward_end = self.batch_ready = 0.0
-        self.epoch = self.steps = 0
-        self.order_hash = ""
-        self.data_wait = self.compute = self.comm_wait = 0.0
-        self.epoch_start = self.train_seconds = 0.0
 
-    def joined(self) -> None:
-        report.joined(self.me.world_size)
+# -- the process: device, threads, the rendezvous store, the same dataset everywhere -----
 
-    def watch(self, model: nn.Module, optimizer, cfg: dict, backend: str) -> str:
-        """Register the comm hook that averages and times gradients; returns how they travel."""
-        # optimizer.step() starts the moment backward returns: backward's end, for the timing.
-        optimizer.register_step_pre_hook(self._backward_returned)
-        if not isinstance(model, DDP):
-            return "none (one process)"
-        shared = None
-        if cfg["comm_hook"] in ("auto", "shm") and backend == "gloo":
-            shared = SharedMemoryAllReduce.create()
-            if shared is None and cfg["comm_hook"] == "shm":
-                raise RuntimeError(
-                    "comm_hook='shm' needs every rank on one host with a shared /dev/shm, "
-                    "and these ranks are not. Use comm_hook='auto' (shared memory where it "
-                    "can, the backend's all-reduce elsewhere) or 'none'."
-                )
-        compression = cfg["comm_hook"] if cfg["comm_hook"] in ("bf16", "fp16") else "none"
-        model.register_comm_hook(self.comm, timed_comm_hook(compression, shared))
-        gradients = "shared memory" if shared else f"{backend} all-reduce ({compression})"
-        if self.me.master_process:
-            self.me.log(f"gradients are averaged through {gradients}")
-        return gradients
 
-    def _backward_returned(self, optimizer, args, kwargs) -> None:
-        self.backward_end = time.perf_counter()
-
-    def start_run(self, start_epoch, data, device, backend, gradients, weights_note) -> None:
-        """Drop rows of the epochs to redo; rank 0 logs the run and writes effective_config."""
-        if self.me.master_process:
-            keep_epochs_upto(self.metrics_path, start_epoch - 1)
-        self.rank_path.parent.mkdir(parents=True, exist_ok=True)
-        keep_epochs_upto(self.rank_path, start_epoch - 1)
-        if self.me.master_process:
-            self.me.log(
-                f"{self.cfg['model']} ({weights_note}), {data.num_classes} classes, augment "
-                f"{data.augment}, pipeline {data.pipeline}, {data.steps_per_epoch} steps/epoch, "
-                f"global batch {self.cfg['batch_size'] * self.me.world_size}"
-            )
-            write_effective_config(
-                self.run_dir, self.cfg, self.me, data, device, backend, gradients, weights_note
-            )
-
-    def start_epoch(self, epoch: int, data: Data) -> Iterator:
-        """``data.train_batches(epoch)``, timed; the epoch's clock starts now."""
-        self.epoch, self.steps = epoch, data.steps_per_epoch
-        self.order_hash = index_order_hash(data.train_sampler)
-        self.data_wait = self.compute = self.comm_wait = 0.0
-        self.comm["blocked"], self.comm["returned"] = 0.0, None
-        self.epoch_start = time.perf_counter()
-        return self._timed(data.train_batches(epoch), data.device)
-
-    def _timed(self, batches: Iterator, device: torch.device) -> Iterator:
-        # Exactly steps_per_epoch batches; the wait for each is data time.
-        for _ in range(self.steps):
-            t0 = time.perf_counter()
-            batch = next(batches)
-            self.batch_ready = time.perf_counter()
-            self.data_wait += self.batch_ready - t0
-            yield batch
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        self.train_seconds = time.perf_counter() - self.epoch_start  # the epoch's batches are done
-
-    def after_step(self, step: int, loss: torch.Tensor) -> None:
-        """Timings, DDPNB_FAULT, the agent watchdog and progress.json, after each step."""
-        self.compute += time.perf_counter() - self.batch_ready
-        if self.comm["returned"] is not None:  # time in the hook, then waiting for it alone
-            self.comm_wait += self.comm["blocked"] + self.backward_end - self.comm["returned"]
-        self.comm["blocked"], self.comm["returned"] = 0.0, None
-        self._inject_fault(step)
-        if self.me.distributed and os.getppid() != self.agent_pid:
+def pick_device(cfg: dict, me: Rank) -> torch.device:
+    """This rank's GPU (``LOCAL_RANK``) unless backend is gloo or CUDA is absent; else the CPU."""
+    if torch.cuda.is_available() and cfg["backend"] != "gloo":
+        visible = torch.cuda.device_count()
+        if me.local_rank >= visible:
             raise RuntimeError(
-                f"The torchrun agent (pid {self.agent_pid}) of node {self.me.node_rank} is gone: "
-                "this node is lost, so its worker stops too. Relaunch with resume=True."
+                f"local_rank {me.local_rank} needs GPU {me.local_rank}, but "
+                f"{socket.gethostname()} shows torch {visible} GPU(s) (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). "
+                f"Use nproc_per_node <= {visible}."
             )
-        report.step(step + 1, self.steps, epoch=self.epoch, epochs=self.cfg["epochs"], loss=loss)
-
-    def _inject_fault(self, step: int) -> None:
-        fault, me, epoch = self.fault, self.me, self.epoch
-        if (
-            fault
-            and me.global_rank == fault["rank"]
-            and epoch == fault["epoch"]
-            and step == fault["step"]
-            and me.restart_count == fault["restart"]
-        ):
-            me.log(f"DDPNB_FAULT: {fault['mode']} at epoch {epoch} step {step}")
-            if fault["mode"] == "raise":
-                raise RuntimeError(f"DDPNB_FAULT injected failure at epoch {epoch} step {step}")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def write_metrics(self, epoch, metrics, train_sums, val_sums, model, scheduler, data) -> None:
-        """This rank's row in ranks/; rank 0 also writes the run's row in metrics.jsonl."""
-        param_checksum = parameter_checksum(model)  # after sync_buffers: equal on every rank
-        local_train_samples = int(train_sums[2].item())
-        epoch_seconds = time.perf_counter() - self.epoch_start
-        me, train_seconds = self.me, self.train_seconds
-        append_jsonl(
-            self.rank_path,
-            {
-                "epoch": epoch,
-                "global_rank": me.global_rank,
-                "local_rank": me.local_rank,
-                "node_rank": me.node_rank,
-                "train_samples": local_train_samples,
-                "val_samples": int(val_sums[2].item()),
-                "images_per_second": local_train_samples / train_seconds,
-                "data_wait_seconds": self.data_wait,
-                "compute_seconds": self.compute - self.comm_wait,
-                "comm_seconds": self.comm_wait,
-                "restart_count": me.restart_count,
-                "train_seconds": train_seconds,
-                "threads": torch.get_num_threads(),
-                "val_loss": metrics["rank_means"][2],
-                "val_acc": metrics["rank_means"][3],
-                "order_hash": self.order_hash,
-                "param_checksum": param_checksum,
-            },
+        torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks its kernels once
+        return torch.device("cuda", me.local_rank)
+    if cfg["backend"] == "nccl":
+        raise RuntimeError(
+            f"backend='nccl' needs CUDA GPUs, and {socket.gethostname()} has none visible to "
+            "torch. Use backend='auto' (nccl on GPUs, gloo elsewhere) or 'gloo'."
         )
-        if me.master_process:
-            row = {
-                "epoch": epoch,
-                "world_size": me.world_size,
-                "train_loss": metrics["train_loss"],
-                "train_acc": metrics["train_acc"],
-                "val_loss": metrics["val_loss"],
-                "val_acc": metrics["val_acc"],
-                "train_samples": metrics["train_samples"],
-                "val_samples": metrics["val_samples"],
-                "epoch_seconds": epoch_seconds,
-                "images_per_second": metrics["train_samples"] / train_seconds,
-                "restart_count": me.restart_count,
-                "decode_seconds": data.decode_seconds,
-                "lr": scheduler.get_last_lr()[0],
-                "val_loss_exact": metrics["val_loss"],
-                "val_acc_exact": metrics["val_acc"],
-            }
-            if not self.cfg["reduce_sums"]:  # pitfall: report the mean of per-rank means
-                keys = ["train_loss", "train_acc", "val_loss", "val_acc"]
-                row.update(zip(keys, metrics["mean_of_means"]))
-            report.epoch(**row)
-            me.log(
-                f"epoch {epoch}/{self.cfg['epochs']} train_loss {row['train_loss']:.4f} "
-                f"val_acc {row['val_acc']:.4f} {row['images_per_second']:.0f} img/s"
-            )
-
-    def done(self, steps_per_epoch: int) -> None:
-        report.done(self.cfg["epochs"], steps_per_epoch)
+    return torch.device("cpu")
 
 
-def parse_fault(spec: str) -> dict:
-    """Parse DDPNB_FAULT ('rank=1,epoch=3,step=5[,mode=kill|raise][,restart=0]')."""
-    fault = {"rank": 0, "epoch": 1, "step": 0, "mode": "kill", "restart": 0}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        key, _, value = item.partition("=")
-        if key not in fault:
-            raise ValueError(f"DDPNB_FAULT: unknown key {key!r} in {spec!r}")
-        fault[key] = value if key == "mode" else int(value)
-    return fault
+def cpu_share(me: Rank) -> int:
+    """Threads for this process: the host's cores over the processes sharing them.
 
-
-def write_effective_config(run_dir, cfg, me, data, device, backend, gradients, weights_note):
-    """What "auto" and the defaults became on this run, next to config.json."""
-    effective = {
-        **cfg,
-        "augment": data.augment,
-        "augment_requested": cfg["augment"],
-        "augment_reason": data.augment_reason,
-        "backend": backend if me.distributed else "none",
-        "device": str(device),
-        "world_size": me.world_size,
-        "local_world_size": me.local_world_size,
-        "threads": torch.get_num_threads(),  # per process (rank 0's)
-        "pipeline": data.pipeline,
-        "gradients": gradients,
-        "num_classes": data.num_classes,
-        "steps_per_epoch": data.steps_per_epoch,
-        "global_batch_size": cfg["batch_size"] * me.world_size,
-        "weights_note": weights_note,
-        "restart_count": me.restart_count,
-    }
-    atomic_write_bytes(
-        run_dir / "effective_config.json", (json.dumps(effective, indent=2) + "\n").encode()
-    )
-
-
-def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
-    """Write via a temp file, fsync and rename, so readers never see half a file.
-
-    ``durable=False`` skips the fsync: the rename alone keeps readers safe, and the live
-    progress file, rewritten 4 times a second, need not survive a power cut (an fsync
-    there stalls rank 0, and with it every rank, at the next all-reduce).
+    ``DDPNB_PROCS_ON_HOST`` (set by ddpnb's launcher) counts every process on this host,
+    simulated nodes included; by hand it is this node's ``LOCAL_WORLD_SIZE``.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def append_jsonl(path: Path, record_: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record_) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def keep_epochs_upto(path: Path, last_epoch: int) -> None:
-    """Drop lines of epochs after last_epoch: they are redone after a restart."""
-    if not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln)["epoch"] <= last_epoch]
-    if len(kept) != len(lines):
-        atomic_write_bytes(path, "".join(ln + "\n" for ln in kept).encode())
-
-
-def index_order_hash(indices) -> str:
-    """16 hex digits of sha256 over an index order: equal orders, equal hashes."""
-    return hashlib.sha256(",".join(map(str, indices)).encode()).hexdigest()[:16]
-
-
-def parameter_checksum(model: nn.Module) -> str:
-    """16 hex digits of sha256 over parameters and buffers (identical copies match)."""
-    digest = hashlib.sha256()
-    for p in [*model.parameters(), *model.buffers()]:
-        x = p.detach().cpu().contiguous()
-        # A plain memory copy: bytes(storage) would walk the elements one by one.
-        digest.update(ctypes.string_at(x.data_ptr(), x.numel() * x.element_size()))
-    return digest.hexdigest()[:16]
-
-
-# -- the process: threads, pitfall warnings, the rendezvous store ---------------------
-
-
-def set_thread_budget(cfg: dict, me: Rank) -> None:
-    """Intra-op threads: config.threads, else this process's share of the host's cores."""
-    procs_on_host = int(os.environ.get("DDPNB_PROCS_ON_HOST", me.local_world_size))
-    if cfg["threads"] or cfg["thread_budget"]:  # pitfall thread_budget=False: torch's default
-        torch.set_num_threads(cfg["threads"] or threads_for_host(procs_on_host))
-
-
-def threads_for_host(procs_on_host: int, cores: int | None = None) -> int:
-    # Each process gets its share of the host's cores: N simulated nodes x P processes
-    # with default threads each would oversubscribe the cores (8x slower measured).
-    # ``cores``: another host's count (the SSH launcher asks each host for its own). Here:
-    # the CPUs this process may use (a Slurm allocation, taskset), not all of the machine's.
-    if cores is None:
-        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
-        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
-    return max(1, cores // max(1, procs_on_host))
-
-
-def warn_about_pitfalls(cfg: dict, me: Rank) -> None:
-    """Once in every node's log: each pitfall switch that is off (notebook 06)."""
-    if me.local_rank == 0:
-        for name, harm in PITFALL_SWITCHES.items():
-            if not cfg[name]:
-                me.log(f"WARNING: pitfall switch {name} is OFF ({harm}); wrong on purpose.")
+    return constants.threads_for_host(
+        int(os.environ.get("DDPNB_PROCS_ON_HOST", me.local_world_size))
+    )
 
 
 def attempt_store(restart_count: int, timeout: datetime.timedelta) -> dist.Store:
@@ -781,39 +390,179 @@ def attempt_store(restart_count: int, timeout: datetime.timedelta) -> dist.Store
     return dist.PrefixStore(f"ddpnb/attempt_{restart_count}", store)
 
 
-# -- the same dataset on every node ----------------------------------------------------
+def check_same_dataset(data_dir: Path, me: Rank) -> str:
+    """This node's dataset fingerprint, once every rank has shown it holds the same data."""
+    fingerprint = constants.dataset_fingerprint(data_dir)
+    if me.distributed:
+        seen = [None] * me.world_size
+        dist.all_gather_object(seen, (me.node_rank, socket.gethostname(), fingerprint))
+        differing = sorted({(n, h) for n, h, fp in seen if fp != seen[0][2]})
+        if differing:
+            names = ", ".join(f"node {n} ({h})" for n, h in differing)
+            raise RuntimeError(
+                f"The dataset at {data_dir} differs between nodes: {names} hold data whose "
+                f"fingerprint differs from node 0's ({seen[0][2][:12]}). Copy the identical "
+                "dataset to every node (rsync -a, or a shared filesystem) and run again."
+            )
+    return fingerprint
 
 
-def dataset_files(root: str | os.PathLike) -> list[tuple[str, Path]]:
-    """Sorted (relative path, path) of every file under root/train and root/val."""
-    root = Path(root)
-    files = []
-    for split in ("train", "val"):
-        for dirpath, dirnames, filenames in os.walk(root / split):
-            dirnames.sort()
-            for name in sorted(filenames):
-                path = Path(dirpath) / name
-                files.append((path.relative_to(root).as_posix(), path))
-    files.sort()
-    return files
+# -- this rank's records: ranks/rank-N.jsonl, metrics.jsonl, effective_config.json --------
 
 
-def dataset_fingerprint(root: str | os.PathLike) -> str:
-    """sha256 over the sorted relative paths and contents of train/ and val/.
+def batch_sums(loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(loss*n, correct, n) of one batch, in float64: sums, not means, add up over ranks."""
+    n = y.shape[0]
+    return torch.stack(
+        [
+            loss.double() * n,
+            (logits.argmax(1) == y).sum().double(),
+            torch.full((), float(n), dtype=torch.float64, device=y.device),  # no host copy
+        ]
+    )
 
-    Files are streamed in 1 MiB blocks, so memory stays flat for any dataset size.
+
+class Records:
+    """This rank's row in ``ranks/`` every epoch, rank 0's ``metrics.jsonl`` row (through
+    the reporting file) and ``effective_config.json``.
+
+    Timings come from hooks, not from the training loop: a forward pre-hook marks when a
+    batch is ready, the optimizer's step hooks when backward returned and when the step
+    ended, and the comm hook (``COMM``) the time spent on gradients. Per epoch, the time
+    outside forward-to-step is data wait; the exposed gradient time is communication.
     """
-    digest = hashlib.sha256()
-    for rel, path in dataset_files(root):
-        digest.update(rel.encode() + b"\0")
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-        digest.update(b"\0")
-    return digest.hexdigest()
+
+    def __init__(self, cfg, me, run_dir, data, start_epoch, model, optimizer, weights_note):
+        self.cfg, self.me, self.run_dir, self.data = cfg, me, run_dir, data
+        self.model = model.module if isinstance(model, DDP) else model
+        self.rank_path = run_dir / "ranks" / f"rank-{me.global_rank}.jsonl"
+        self.rank_path.parent.mkdir(parents=True, exist_ok=True)
+        keep_epochs_upto(self.rank_path, start_epoch - 1)  # epochs to redo after a restart
+        if me.master_process:
+            keep_epochs_upto(run_dir / "metrics.jsonl", start_epoch - 1)
+            self.write_effective_config(weights_note)
+        self.busy = self.comm = 0.0  # seconds from batch ready to step end; on gradients
+        self.forward_start = self.backward_end = None
+        self.epoch_start = time.perf_counter()
+        model.register_forward_pre_hook(self._batch_ready)
+        optimizer.register_step_pre_hook(self._backward_returned)
+        optimizer.register_step_post_hook(self._stepped)
+
+    def _batch_ready(self, module, args) -> None:
+        if module.training and self.forward_start is None:
+            self.forward_start = time.perf_counter()
+
+    def _backward_returned(self, optimizer, args, kwargs) -> None:
+        self.backward_end = time.perf_counter()
+
+    def _stepped(self, optimizer, args, kwargs) -> None:
+        if self.forward_start is not None:
+            self.busy += time.perf_counter() - self.forward_start
+        if COMM["returned"] is not None:  # time in the hook, then waiting for it alone
+            self.comm += COMM["blocked"] + self.backward_end - COMM["returned"]
+        COMM["blocked"], COMM["returned"], self.forward_start = 0.0, None, None
+
+    def write_effective_config(self, weights_note: str) -> None:
+        """What "auto" and the defaults became on this run, next to config.json."""
+        cfg, me, data = self.cfg, self.me, self.data
+        device = next(self.model.parameters()).device
+        backend = ("nccl" if device.type == "cuda" else "gloo") if me.distributed else "none"
+        effective = {
+            **cfg,
+            "augment": data.augment,
+            "augment_requested": cfg["augment"],
+            "augment_reason": data.augment_reason,
+            "backend": backend,
+            "device": str(device),
+            "world_size": me.world_size,
+            "local_world_size": me.local_world_size,
+            "threads": torch.get_num_threads(),  # per process (rank 0's)
+            "gradients": COMM["route"],
+            "num_classes": data.num_classes,
+            "steps_per_epoch": data.steps_per_epoch,
+            "global_batch_size": cfg["batch_size"] * me.world_size,
+            "weights_note": weights_note,
+            "restart_count": me.restart_count,
+        }
+        text = json.dumps(effective, indent=2) + "\n"
+        atomic_write_bytes(self.run_dir / "effective_config.json", text.encode())
+        me.log(
+            f"{cfg['model']} ({weights_note}), {data.num_classes} classes, augment "
+            f"{data.augment}, {data.steps_per_epoch} steps/epoch, global batch "
+            f"{cfg['batch_size'] * me.world_size}"
+        )
+
+    def epoch(self, epoch, metrics, train_sums, val_sums, train_seconds, scheduler) -> None:
+        """This rank's row in ranks/; rank 0 also reports the run's row to metrics.jsonl."""
+        me, sampler = self.me, self.data.train_loader.sampler
+        local_train, local_val = round(train_sums[2].item()), round(val_sums[2].item())
+        rank_loss, rank_acc = (val_sums[:2] / val_sums[2].clamp(min=1)).tolist()
+        row = {
+            "epoch": epoch,
+            "global_rank": me.global_rank,
+            "local_rank": me.local_rank,
+            "node_rank": me.node_rank,
+            "train_samples": local_train,
+            "val_samples": local_val,
+            "images_per_second": local_train / train_seconds,
+            "data_wait_seconds": max(0.0, train_seconds - self.busy),
+            "compute_seconds": self.busy - self.comm,
+            "comm_seconds": self.comm,
+            "restart_count": me.restart_count,
+            "train_seconds": train_seconds,
+            "threads": torch.get_num_threads(),
+            "val_loss": rank_loss,  # this rank's own shard: the mean of means' ingredients
+            "val_acc": rank_acc,
+            # The order this rank drew (a DistributedSampler's; None for any other sampler).
+            "order_hash": index_order_hash(sampler) if hasattr(sampler, "set_epoch") else None,
+            "param_checksum": parameter_checksum(self.model),  # equal on every rank
+        }
+        append_jsonl(self.rank_path, row)
+        self.busy = self.comm = 0.0
+        now = time.perf_counter()
+        epoch_seconds, self.epoch_start = now - self.epoch_start, now
+        if me.master_process:
+            report.epoch(
+                epoch,
+                **metrics,
+                epoch_seconds=epoch_seconds,
+                images_per_second=metrics["train_samples"] / train_seconds,
+                restart_count=me.restart_count,
+                lr=scheduler.get_last_lr()[0],
+            )
+            me.log(
+                f"epoch {epoch}/{self.cfg['epochs']} train_loss {metrics['train_loss']:.4f} "
+                f"val_acc {metrics['val_acc']:.4f} "
+                f"{metrics['train_samples'] / train_seconds:.0f} img/s"
+            )
 
 
 # -- gradients: averaged through shared memory where ranks share a host, and timed -----
+
+COMM = {"blocked": 0.0, "returned": None, "route": "none (one process)"}  # the comm hook's
+
+
+def gradient_hook(cfg: dict, me: Rank, device: torch.device):
+    """The comm hook wrap_model registers, as config.comm_hook asks, timed into ``COMM``.
+
+    ``auto``: shared memory when every rank shares this host's /dev/shm (CPU, gloo), else
+    the backend's all-reduce; ``shm`` insists on shared memory; ``none`` is the plain
+    all-reduce; ``bf16``/``fp16`` compress the all-reduce.
+    """
+    shm = None
+    if cfg["comm_hook"] in ("auto", "shm") and device.type == "cpu":
+        shm = SharedMemoryAllReduce.create()
+        if shm is None and cfg["comm_hook"] == "shm":
+            raise RuntimeError(
+                "comm_hook='shm' needs every rank on one host with a shared /dev/shm, "
+                "and these ranks are not. Use comm_hook='auto' (shared memory where it "
+                "can, the backend's all-reduce elsewhere) or 'none'."
+            )
+    compression = cfg["comm_hook"] if cfg["comm_hook"] in ("bf16", "fp16") else "none"
+    COMM["route"] = "shared memory" if shm else f"{dist.get_backend()} all-reduce ({compression})"
+    if me.master_process:
+        me.log(f"gradients are averaged through {COMM['route']}")
+    return timed_comm_hook(compression, shm)
 
 
 class SharedMemoryAllReduce:
@@ -975,7 +724,7 @@ def no_forward_buffer_sync() -> dict:
     return {"broadcast_buffers": False}
 
 
-# -- data: ImageFolders, augmentation, the in-memory pipeline --------------------------
+# -- data: ImageFolders and augmentation -----------------------------------------------
 
 
 def image_folders(cfg: dict, me: Rank, data_dir: Path):
@@ -992,60 +741,7 @@ def image_folders(cfg: dict, me: Rank, data_dir: Path):
     )
     if train_set.classes != val_set.classes:
         raise ValueError(f"train/ and val/ of {data_dir} hold different classes.")
-    return train_set, val_set, augment, augment_reason
-
-
-def choose_pipeline(cfg: dict, train_set, val_set) -> str:
-    """config.pipeline; "auto" is "memory" when every decoded image fits in RAM."""
-    if cfg["pipeline"] != "auto":
-        return cfg["pipeline"]
-    need = (len(train_set) + len(val_set)) * 3 * cfg["image_size"] ** 2
-    return "memory" if need <= MEMORY_PIPELINE_BYTES else "loader"
-
-
-def memory_batches(cfg, me, train_set, val_set, train_sampler, val_indices, augment, device):
-    """(train_batches, val_batches, decode_seconds) of the in-memory pipeline.
-
-    Decoded once; batches are slices, augmented on tensors: no per-sample collation
-    and no DataLoader processes competing with compute on a small host.
-    """
-    size, batch_size = cfg["image_size"], cfg["batch_size"]
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
-    decode_start = time.perf_counter()
-    train_images, train_labels = decode_all(train_set.samples, size)
-    val_images, val_labels = decode_all([val_set.samples[i] for i in val_indices], size)
-    if device.type == "cuda":  # at most MEMORY_PIPELINE_BYTES: kept on the GPU, batches
-        # are sliced there (a host-side gather would copy from unpinned memory, in sync).
-        train_images, train_labels, val_images, val_labels = (
-            t.to(device) for t in (train_images, train_labels, val_images, val_labels)
-        )
-    decode_seconds = time.perf_counter() - decode_start
-
-    def train_batches(epoch: int):
-        # Augmentation randomness depends only on (seed, rank, epoch): a resumed epoch
-        # sees exactly what the uninterrupted one saw.
-        seed = cfg["seed"] * 1_000_003 + me.global_rank * 1009 + epoch
-        gen = torch.Generator().manual_seed(seed)
-        order = torch.tensor(list(train_sampler), dtype=torch.long, device=train_images.device)
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            x = train_images[idx].to(device, non_blocking=True).float().div_(255)
-            x = augment_batch(x, augment, gen)
-            yield (x - mean) / std, train_labels[idx].to(device, non_blocking=True)
-
-    def val_batches():
-        for start in range(0, len(val_labels), batch_size):
-            x = val_images[start : start + batch_size].to(device).float().div_(255)
-            yield (x - mean) / std, val_labels[start : start + batch_size].to(device)
-
-    return train_batches, val_batches, decode_seconds
-
-
-def on_device(loader: DataLoader, device: torch.device, non_blocking: bool) -> Iterator:
-    """A DataLoader's (x, y) batches, moved to the device."""
-    for x, y in loader:
-        yield x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+    return train_set, val_set, (augment, augment_reason)
 
 
 # Photo-style augmentation (crops down to 8% of the area, mirror images) suits colour
@@ -1059,7 +755,8 @@ def sample_images(split_dir: Path, count: int) -> list[Path]:
     """Up to ``count`` image files of a split, spread over its classes."""
     classes = sorted(d for d in split_dir.iterdir() if d.is_dir()) if split_dir.is_dir() else []
     per_class = [
-        sorted(p for p in d.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS) for d in classes
+        sorted(p for p in d.iterdir() if p.suffix.lower() in constants.IMAGE_EXTENSIONS)
+        for d in classes
     ]
     chosen: list[Path] = []
     depth = 0
@@ -1108,7 +805,10 @@ def resolve_augment(cfg: dict, data_dir: Path) -> tuple[str, str]:
 
 def loader_transforms(augment: str, size: int) -> tuple[transforms.Compose, transforms.Compose]:
     """The classic per-sample torchvision pipelines (train, val)."""
-    tail = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    tail = [
+        transforms.ToTensor(),
+        transforms.Normalize(constants.IMAGENET_MEAN, constants.IMAGENET_STD),
+    ]
     val = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), *tail])
     if augment == "photo":
         train = [transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip()]
@@ -1133,69 +833,6 @@ def load_image(path: str):
             f"Corrupt or unreadable image {path} ({e}). Remove or replace the file "
             "(`ddpnb check DATA_DIR` lists every problem), then run again."
         ) from e
-
-
-def decode_all(samples: list[tuple[str, int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode an ImageFolder's samples once into uint8 [N, 3, size, size] and labels."""
-    base = transforms.Compose(
-        [transforms.Resize(size), transforms.CenterCrop(size), transforms.PILToTensor()]
-    )
-    images = torch.empty((len(samples), 3, size, size), dtype=torch.uint8)
-    for i, (path, _) in enumerate(samples):
-        images[i] = base(load_image(path))
-    labels = torch.tensor([label for _, label in samples], dtype=torch.long)
-    return images, labels
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; to a GPU through pinned memory, so the copy does not wait."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def cuda_device(me: Rank) -> torch.device:
-    """This rank's GPU (``LOCAL_RANK``), or a clear error when the node has too few."""
-    visible = torch.cuda.device_count()
-    if me.local_rank >= visible:
-        raise RuntimeError(
-            f"local_rank {me.local_rank} needs GPU {me.local_rank}, but {socket.gethostname()} "
-            f"shows torch {visible} GPU(s) (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Use nproc_per_node <= {visible}."
-        )
-    return torch.device("cuda", me.local_rank)
-
-
-def augment_batch(x: torch.Tensor, augment: str, gen: torch.Generator) -> torch.Tensor:
-    """Random per-sample affine crops on a float batch, as one grid_sample call."""
-    n = x.shape[0]
-    if augment == "none" or n == 0:
-        return x
-    u = to_device(torch.rand((n, 4), generator=gen), x.device)  # drawn on the CPU: resumable
-    if augment == "digits":  # mild: +-10 degrees, 0.9-1.1 scale, +-10% shift
-        angle = (u[:, 0] * 2 - 1) * math.radians(10)
-        scale = 1 / (0.9 + 0.2 * u[:, 1])
-        sx = sy = scale
-        tx, ty = (u[:, 2] * 2 - 1) * 0.2, (u[:, 3] * 2 - 1) * 0.2
-        flip = torch.ones(n, device=x.device)
-    else:  # RandomResizedCrop(scale=(0.08, 1), ratio=(3/4, 4/3)) + horizontal flip
-        area = 0.08 + 0.92 * u[:, 0]
-        ratio = torch.exp(math.log(3 / 4) + (math.log(4 / 3) - math.log(3 / 4)) * u[:, 1])
-        sx = torch.sqrt(area * ratio).clamp(max=1.0)
-        sy = torch.sqrt(area / ratio).clamp(max=1.0)
-        tx, ty = (u[:, 2] * 2 - 1) * (1 - sx), (u[:, 3] * 2 - 1) * (1 - sy)
-        angle = torch.zeros(n, device=x.device)
-        flip = to_device(torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0), x.device)
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    theta = torch.stack(
-        [
-            torch.stack([sx * cos * flip, -sy * sin, tx], dim=1),
-            torch.stack([sx * sin * flip, sy * cos, ty], dim=1),
-        ],
-        dim=1,
-    ).to(x.dtype)
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 # -- the model ------------------------------------------------------------------------
@@ -1273,7 +910,20 @@ def build_model(cfg: dict, num_classes: int) -> tuple[nn.Module, str]:
     if weights not in (None, "DEFAULT"):
         skipped = load_local_weights(model, weights)
         note = f"weights from {weights}" + (f" (head re-initialised: {skipped})" if skipped else "")
+    if cfg["channels_last"]:  # NHWC: faster convolutions on recent GPUs (slower on CPU here)
+        model = model.to(memory_format=torch.channels_last)
     return model, note
+
+
+def make_optimizer(model: nn.Module, cfg: dict, steps_per_epoch: int):
+    """SGD with momentum, and its learning-rate schedule (stepped after every step)."""
+    optimizer = make_sgd(model.parameters(), cfg)
+    total_steps = cfg["epochs"] * steps_per_epoch
+    if cfg["lr_schedule"] == "cosine":
+        schedule = lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
+    else:
+        schedule = lambda step: 1.0
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def make_sgd(params, cfg: dict) -> torch.optim.Optimizer:
@@ -1289,8 +939,25 @@ def make_sgd(params, cfg: dict) -> torch.optim.Optimizer:
 # -- checkpoints and random number generator states -----------------------------------
 
 
+def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
+    """Load the last checkpoint, if any (also after a torchrun restart): the first epoch to run."""
+    if not path.exists():
+        return 1
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    check_checkpoint_fits(ckpt, path, cfg, fingerprint)  # same config, same dataset
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    # Each rank continues its own random streams (the loader's transforms draw from
+    # them); with another world size the per-epoch seeds still hold.
+    if isinstance(ckpt["rng"], list) and len(ckpt["rng"]) == me.world_size:
+        set_rng_state(ckpt["rng"][me.global_rank], next(model.parameters()).is_cuda)
+    me.log(f"resumed from {path} after epoch {ckpt['epoch']}")
+    return ckpt["epoch"] + 1
+
+
 def checkpoint_config(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in RESUMABLE_KEYS}
+    return {k: v for k, v in cfg.items() if k not in constants.RESUMABLE_KEYS}
 
 
 def check_checkpoint_fits(ckpt: dict, path: Path, cfg: dict, fingerprint: str) -> None:
@@ -1353,6 +1020,57 @@ def set_rng_state(state: dict, use_cuda: bool) -> None:
         # This rank's GPU's state (checkpoints before that held every visible GPU's).
         states = state["cuda"]
         torch.cuda.set_rng_state(states[torch.cuda.current_device() if len(states) > 1 else 0])
+
+
+# -- files: written whole or appended and synced, hashes ---------------------------------
+
+
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write via a temp file, fsync and rename, so readers never see half a file.
+
+    ``durable=False`` skips the fsync: the rename alone keeps readers safe, and the live
+    progress file, rewritten 4 times a second, need not survive a power cut (an fsync
+    there stalls rank 0, and with it every rank, at the next all-reduce).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, record_: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record_) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def keep_epochs_upto(path: Path, last_epoch: int) -> None:
+    """Drop lines of epochs after last_epoch: they are redone after a restart."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln)["epoch"] <= last_epoch]
+    if len(kept) != len(lines):
+        atomic_write_bytes(path, "".join(ln + "\n" for ln in kept).encode())
+
+
+def index_order_hash(indices) -> str:
+    """16 hex digits of sha256 over an index order: equal orders, equal hashes."""
+    return hashlib.sha256(",".join(map(str, indices)).encode()).hexdigest()[:16]
+
+
+def parameter_checksum(model: nn.Module) -> str:
+    """16 hex digits of sha256 over parameters and buffers (identical copies match)."""
+    digest = hashlib.sha256()
+    for p in [*model.parameters(), *model.buffers()]:
+        x = p.detach().cpu().contiguous()
+        # A plain memory copy: bytes(storage) would walk the elements one by one.
+        digest.update(ctypes.string_at(x.data_ptr(), x.numel() * x.element_size()))
+    return digest.hexdigest()[:16]
 
 
 if __name__ == "__main__":

@@ -1,27 +1,26 @@
-"""The worker's own copies of the shared names match ddpnb.constants exactly."""
+"""What the package and the worker share exists once (ddpnb.constants); import stays light."""
 
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
+from pathlib import Path
 
+import ddpnb
 from ddpnb import constants, worker
-
-NAMES = ["IMAGE_EXTENSIONS", "IMAGENET_MEAN", "IMAGENET_STD", "PITFALL_SWITCHES", "RESUMABLE_KEYS"]
-
-
-def test_worker_constants_match_the_package():
-    for name in NAMES:
-        assert getattr(worker, name) == getattr(constants, name), name
+from ddpnb.script import worker_script
+from ddpnb.source import WORKER_PATH
 
 
-def test_worker_fingerprint_is_the_same_code(tiny_data):
+def test_the_worker_holds_no_copy_of_the_shared_code():
+    # One copy of each: the worker imports ddpnb_constants.py, written beside it.
     for name in ["dataset_files", "dataset_fingerprint", "threads_for_host"]:
-        assert inspect.getsource(getattr(worker, name)) == inspect.getsource(
-            getattr(constants, name)
-        ), name
-    assert worker.dataset_fingerprint(tiny_data) == constants.dataset_fingerprint(tiny_data)
+        assert getattr(worker.constants, name) is getattr(constants, name)
+        assert f"def {name}(" not in WORKER_PATH.read_text(), name
+    for name in ["IMAGE_EXTENSIONS", "IMAGENET_MEAN", "RESUMABLE_KEYS"]:
+        assert f"{name} =" not in WORKER_PATH.read_text(), name
+    payload = worker_script(ddpnb.TrainConfig()).payload()
+    assert payload["ddpnb_constants.py"] == Path(constants.__file__).read_bytes()
 
 
 def test_import_ddpnb_does_not_import_torch_or_matplotlib():

@@ -35,9 +35,8 @@ def _wait_for_epoch(run_dir: Path, epoch: int, timeout: float = 90) -> None:
 # -- the drill: a rank is killed, torchrun restarts it, the run resumes -------------------
 
 
-@pytest.mark.parametrize("pipeline", ["memory", "loader"])
-def test_restart_resumes_and_matches_the_uninterrupted_run(tiny_data, tmp_path, pipeline):
-    cfg = tiny_config(tiny_data, pipeline=pipeline, **DRILL)
+def test_restart_resumes_and_matches_the_uninterrupted_run(tiny_data, tmp_path):
+    cfg = tiny_config(tiny_data, **DRILL)
     clean = ddpnb.launch(cfg, tmp_path / "clean", nnodes=2, progress="none")
     faulty = ddpnb.launch(
         cfg,

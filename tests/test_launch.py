@@ -230,18 +230,21 @@ def test_resume_continues_from_the_checkpoint(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_a_run_from_before_a_config_field_existed_resumes(tiny_data, tmp_path):
-    # An older ddpnb wrote config.json and the checkpoint without thread_budget.
+    # An older ddpnb wrote config.json and the checkpoint without channels_last, and with
+    # fields retired since (the pitfall switches, the in-memory pipeline).
     run = tmp_path / "r"
     ddpnb.launch(tiny_config(tiny_data, epochs=1), run, nnodes=1, progress="none")
-    saved = json.loads((run / "config.json").read_text())
-    del saved["thread_budget"]
+    retired = {"thread_budget": True, "set_epoch": True, "pipeline": "auto"}
+    saved = {**json.loads((run / "config.json").read_text()), **retired}
+    del saved["channels_last"]
     (run / "config.json").write_text(json.dumps(saved))
     ckpt = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
-    del ckpt["config"]["thread_budget"]
+    ckpt["config"] = {**ckpt["config"], **retired}
+    del ckpt["config"]["channels_last"]
     torch.save(ckpt, run / "checkpoints" / "last.pt")
-    with pytest.raises(RunDirError, match="thread_budget"):  # not its default
+    with pytest.raises(RunDirError, match="channels_last"):  # not its default
         ddpnb.launch(
-            tiny_config(tiny_data, epochs=2, thread_budget=False),
+            tiny_config(tiny_data, epochs=2, channels_last=True),
             run,
             nnodes=1,
             progress="none",

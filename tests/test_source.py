@@ -27,7 +27,6 @@ STEPS = [
     "validate",
     "reduce_epoch_metrics",
     "save_checkpoint",
-    "resume",
 ]
 
 
@@ -57,11 +56,12 @@ def test_an_unknown_name_is_named_with_the_choices():
 
 def test_part1_is_short_and_starts_right_after_the_imports():
     assert PART1_START < PART2_START
-    assert PART2_START - PART1_START <= 400, PART2_START - PART1_START
+    assert PART2_START - PART1_START <= 250, PART2_START - PART1_START  # issue 26
     assert worker_source("main").count("\n") <= 70
     # Nothing but imports between the docstring and Part 1.
     head = LINES[TEXT[: TEXT.index('"""', 3) + 3].count("\n") + 1 : PART1_START]
-    assert all(ln.startswith(("import ", "from ", "#")) or not ln.strip() for ln in head)
+    imports = ("import ", "from ", "#", "try:", "except ImportError:")
+    assert all(ln.strip().startswith(imports) or not ln.strip() for ln in head)
 
 
 def test_part1_names_every_step_in_order_of_definition():
@@ -73,8 +73,9 @@ def test_part1_names_every_step_in_order_of_definition():
 
 def test_the_training_step_is_the_tutorial_step():
     src = worker_source("train_one_epoch")
-    assert src.count("\n") <= 20
-    assert src.count("monitor.") == 2  # one call to start the epoch, one after each step
+    assert src.count("\n") <= 22
+    assert src.count("report.") == 1  # one reporting call per step; no timing, no monitor
+    assert "perf_counter" not in src and "monitor" not in src
 
 
 def test_part1_tells_every_ddp_idea_and_none_of_the_machinery():
@@ -91,6 +92,9 @@ def test_part1_tells_every_ddp_idea_and_none_of_the_machinery():
         "dist.destroy_process_group()",
         "loss.backward()",
         "model.module",
+        "DataLoader(train_set, sampler=train_sampler",  # the data runs through what is shown
+        "register_comm_hook",  # the gradients' route, visible where DDP is made
+        "torch.set_num_threads",
     ]:
         assert idea in PART1, idea
     for machinery in [
@@ -99,11 +103,13 @@ def test_part1_tells_every_ddp_idea_and_none_of_the_machinery():
         "progress.json",
         "SIGKILL",
         "getppid",
-        "perf_counter",
         "first_step_time",
         "atomic_write_bytes",
-        "register_comm_hook",
         "json.dumps",
+        "MISTAKE",
+        'cfg["distributed_sampler"]',
+        'cfg["reduce_sums"]',
+        "mean_of_means",
     ]:
         assert machinery not in PART1, machinery
     assert "cfg.get(" not in TEXT  # config.json holds every field

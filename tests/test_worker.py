@@ -63,9 +63,9 @@ def test_worker_file_is_a_byte_copy_and_stdlib_only(layout_run):
         if isinstance(node, (ast.Import, ast.ImportFrom))
         for alias in node.names
     }
-    # torch, torchvision and the reporting file written beside it (ddpnb's own reporting
-    # module only when the package imports the worker as ddpnb.worker).
-    needs = {"torch", "torchvision", "ddpnb_reporting", "ddpnb"}
+    # torch, torchvision and the two files written beside it (the package's own modules
+    # only when the package imports the worker as ddpnb.worker).
+    needs = {"torch", "torchvision", "ddpnb_reporting", "ddpnb_constants", "ddpnb"}
     assert imported - sys.stdlib_module_names - {"__future__"} == needs
     assert (job.run_dir / "ddpnb_reporting.py").read_bytes() == REPORTING_PATH.read_bytes()
     doc = WORKER_PATH.read_text()
