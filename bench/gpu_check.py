@@ -10,22 +10,22 @@ Sized for under 5 minutes on one H200 with 16 cores, no network (about 3, by est
 it has never run on a GPU yet). Three steps:
 
 a. Correctness. ``ddpnb.launch`` of the real worker, 1 node x every GPU, backend
-   ``auto`` (nccl), bf16 autocast, on (1) a generated ImageFolder of JPEGs through the
-   DataLoader pipeline with channels_last, and (2) the digits (``prepare_digits``) at
-   32 px through the in-memory pipeline. Asserted: every validation image counted
+   ``auto`` (nccl), bf16 autocast, on (1) a generated ImageFolder of JPEGs with
+   channels_last and two DataLoader workers, and (2) the digits (``prepare_digits``) at
+   32 px. Asserted: every validation image counted
    exactly once, finite losses, nccl on cuda, a checkpoint written, and a resume with
    one more epoch that continues from it (one new epoch, each epoch recorded once,
    the earlier epochs unchanged).
 b. Speed. The worker at resnet50, 224 px, bf16, channels_last, per-GPU batch 256,
-   through the in-memory pipeline (pre-decoded synthetic JPEGs, ``augment="none"``):
+   through the worker's DataLoader (synthetic JPEGs, decoded every epoch by the
+   config's ``num_workers``, ``augment="none"``):
    images/s per GPU (the ranks' own ``images_per_second``, first epoch skipped) and
    achieved TFLOP/s against the chip's bf16 dense peak; then ``bench/gpu.py``'s bare
    loop with the same settings, in its own process, and worker / bare loop (target
    >= 0.95). The bare loop also runs without cudnn.benchmark, which the worker does
    not set today, so the share of any gap that this setting explains is printed.
 c. Scaling, with more than one GPU: per-GPU images/s at all GPUs over one GPU, at
-   the same per-GPU batch (target >= 0.90). Every rank of the memory pipeline decodes
-   the whole train split, so beyond 2 GPUs each rank times fewer steps (8 at 8 GPUs).
+   the same per-GPU batch (target >= 0.90).
 
 One summary line per figure (``gpu-check:``). No time is asserted; ``--record`` appends
 a dated section with the summary lines to ``bench/results.md``.
@@ -187,7 +187,7 @@ def launch_and_resume(
     )
     _, _, eff = read_run(run_dir)
     return (
-        f"{eff.get('backend')} {nproc}x{cfg.model} {cfg.image_size}px {eff.get('pipeline')} "
+        f"{eff.get('backend')} {nproc}x{cfg.model} {cfg.image_size}px "
         f"amp={cfg.amp} channels_last={cfg.channels_last} on {eff.get('device')}: "
         f"val_samples {rows[-1]['val_samples']}/{n_val} every epoch, losses finite, "
         f"checkpoint written, resumed {cfg.epochs}->{more.epochs} "
@@ -198,7 +198,7 @@ def launch_and_resume(
 def correctness_configs(
     work: Path, *, cuda: bool, quick: bool
 ) -> list[tuple[str, ddpnb.TrainConfig, int]]:
-    """(name, config, number of val images) for step (a): JPEGs via the loader, digits in memory."""
+    """(name, config, number of val images) for step (a): JPEGs (channels_last) and digits."""
     jpeg_size = 64 if cuda and not quick else 16
     jpegs = make_jpeg_folder(
         work / "jpegs", size=jpeg_size, train_per_class=24, val_counts=VAL_COUNTS
@@ -221,7 +221,6 @@ def correctness_configs(
                 data_dir=str(jpegs),
                 image_size=jpeg_size,
                 batch_size=16,
-                pipeline="loader",
                 channels_last=True,
                 num_workers=2,
                 **common,
@@ -234,7 +233,6 @@ def correctness_configs(
                 data_dir=str(digits),
                 image_size=32 if cuda else 16,
                 batch_size=64 if cuda else 16,
-                pipeline="memory",
                 **common,
             ),
             n_digits_val,
@@ -264,12 +262,11 @@ def worker_speed(data: Path, work: Path, nproc: int, sizes: dict, cuda: bool) ->
         max_steps_per_epoch=sizes["steps"],
         amp=True,
         channels_last=True,
-        pipeline="memory",
         augment="none",  # the bare loop has none: the ratio measures what the worker adds
         backend="auto",
         lr_schedule="constant",
         checkpoint_every=1000,  # one checkpoint, after the last epoch
-        timeout_seconds=600,  # every rank decodes the whole train split first
+        timeout_seconds=600,
     )
     run_dir = work / f"speed-{nproc}"
     t0 = time.perf_counter()
@@ -283,7 +280,6 @@ def worker_speed(data: Path, work: Path, nproc: int, sizes: dict, cuda: bool) ->
         "nproc": nproc,
         "images_per_second_per_gpu": statistics.mean(per_rank),
         "slowest_rank": min(per_rank),
-        "decode_seconds": rows[-1].get("decode_seconds", math.nan),
         "steps_timed": sum(steps),
         # On CUDA this also holds the stream syncs that pageable host copies cause.
         "data_wait_share": statistics.mean(
@@ -389,10 +385,10 @@ def steps_b_c(
     ips = one["images_per_second_per_gpu"]
     tflops = ips * flops / 1e12
     emit(
-        f"b worker 1 GPU, {setting}, memory pipeline: {ips:.0f} images/s, "
+        f"b worker 1 GPU, {setting}, DataLoader: {ips:.0f} images/s, "
         f"{tflops:.1f} TFLOP/s = {tflops / peak:.1%} of {peak:.0f} bf16 dense "
         f"({flops / 1e9:.1f} GFLOP per training image; {one['steps_timed']} steps timed, "
-        f"data wait {one['data_wait_share']:.0%} of train time, decode {one['decode_seconds']:.0f} s)"
+        f"data wait {one['data_wait_share']:.0%} of train time)"
     )
     emit(
         f"b bare loop (bench/gpu.py), same settings: {bare['images_per_second']:.0f} images/s, "
@@ -408,8 +404,8 @@ def steps_b_c(
         f"(the worker {'sets' if sets_it else 'does not set'} it)"
     )
     if ngpu > 1:
-        # Every rank decodes the whole train split (the memory pipeline), so at many GPUs
-        # fewer steps keep the decode short; the first epoch is skipped either way.
+        # At many GPUs each rank's shard is smaller: fewer steps per epoch are timed;
+        # the first epoch is skipped either way.
         sizes_c = {
             **sizes,
             "steps": sizes["steps"] if ngpu <= 2 else max(8, sizes["steps"] * 2 // ngpu),

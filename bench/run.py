@@ -47,7 +47,6 @@ TARGETS = {
     "overhead": 0.97,
     "nodes": 0.95,
     "ddp_vs_one": 0.97,
-    "pipeline": 0.95,
     "latency": 1.2,
 }
 
@@ -129,9 +128,6 @@ def ddpnb_run(data: Path, nnodes: int, nproc: int, epochs: int, **cfg) -> dict:
         "first_step_seconds": first_step,
         "comm_share": sum(comm) / max(sum(total), 1e-9),
         "val_acc": rows[-1]["val_acc"],
-        # From PNG files end to end: the one-off decode counted against the training time.
-        "end_to_end_share": sum(r["epoch_seconds"] for r in rows)
-        / (sum(r["epoch_seconds"] for r in rows) + rows[0].get("decode_seconds", 0.0)),
     }
 
 
@@ -204,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
         two = ddpnb_run(data, 1, 2, epochs, batch_size=32)
         gloo = ddpnb_run(data, 1, 2, epochs, batch_size=32, comm_hook="none")
         nodes = ddpnb_run(data, 2, 1, epochs, batch_size=32)
-        loader = ddpnb_run(data, 1, 2, epochs, batch_size=32, pipeline="loader")
         note("ceiling images/s", ceiling)
         note("reference DDP 1x2 images/s", ref2["images_per_second"])
         note("ddpnb 1x2 images/s", two["images_per_second"])
@@ -230,11 +225,6 @@ def main(argv: list[str] | None = None) -> int:
         note(
             "3 ddpnb 1x2 / ddpnb 1x1 (both cores)",
             two["images_per_second"] / one["images_per_second"],
-        )
-        note("4 from PNG end to end (decode included) / pre-decoded", two["end_to_end_share"])
-        note(
-            "4 classic PNG DataLoader pipeline / decoded in memory",
-            loader["images_per_second"] / two["images_per_second"],
         )
         note(
             "5 launch latency ddpnb / bare torchrun",
