@@ -10,7 +10,7 @@ from .config import TrainConfig
 from .constants import threads_for_host
 from .errors import ConfigError
 from .preflight import as_config, check_progress
-from .reporting import RUN_DIR_ENV
+from .reporting import FAULT_ENV, RUN_DIR_ENV, parse_fault
 from .script import Script, worker_script
 from .topology import Topology
 
@@ -41,6 +41,10 @@ class Plan:
         ):
             raise ConfigError("env must be a dict of strings, e.g. {'NCCL_DEBUG': 'INFO'}.")
         self.env = dict(env or {})
+        try:  # the fault drill (notebook 04): read by every rank's first report.step
+            parse_fault(self.env.get(FAULT_ENV, ""))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.run_dir = Path()
         self.payload: dict[str, bytes] = {}  # the script's files by name, read once by run()
         self.resume = self.overwrite = False

@@ -202,8 +202,8 @@ def wrap_model(model: nn.Module, cfg: dict, me: Rank, device: torch.device) -> n
         **no_forward_buffer_sync(),
     )
     # How each gradient bucket is averaged (comm_hook). On one host with gloo: through
-    # shared memory, replacing gloo's TCP loopback, 1.11x the images/s of plain DDP on 2
-    # CPU cores (bench/levers.py), the same sums as gloo's. Else the backend's all-reduce.
+    # shared memory instead of gloo's TCP loopback, the same sums, about 1.12x the images/s
+    # on 2 CPU cores (bench/levers.py). Elsewhere the backend's all-reduce, as plain DDP.
     ddp.register_comm_hook(COMM, gradient_hook(cfg, me, device))  # Part 2: chosen, timed
     return ddp
 

@@ -120,6 +120,24 @@ def test_a_raising_script_gives_its_traceback(tmp_path, record):
     assert not _alive(run_pids(tmp_path / "run"), within=5)
 
 
+def test_a_script_that_reports_gets_the_fault_drill_and_a_restart(tmp_path):
+    # DDPNB_FAULT rides on ddpnb_reporting.step: any script that reports can be drilled.
+    script = ddpnb.Script(OWN / "linear.py", args=["2", "drill"], files=[OWN / "datautils.py"])
+    job = ddpnb.launch(
+        script,
+        tmp_path / "drill",
+        nnodes=2,
+        max_restarts=1,
+        env={"DDPNB_FAULT": "rank=1,epoch=2,step=1"},
+        progress="none",
+    )
+    assert "DDPNB_FAULT: kill at epoch 2 step 1" in job.log_tail(1, 200)
+    assert (job.run_dir / "model.pt").exists()  # the restarted attempt ran to the end
+    with pytest.raises(ConfigError, match="'epok=2' is not understood"):  # before any start
+        ddpnb.launch(script, tmp_path / "typo", env={"DDPNB_FAULT": "rank=1,epok=2"})
+    assert not (tmp_path / "typo").exists()
+
+
 def test_bad_input_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="no_such.py: no such file"):
         ddpnb.launch(ddpnb.Script(tmp_path / "no_such.py"), tmp_path / "r1")
