@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     model = wrap_model(model.to(device), cfg, me, device)
     raw_model = model.module if isinstance(model, DDP) else model  # checkpoints load without DDP
     optimizer, scheduler = make_optimizer(model, cfg, data.steps_per_epoch)  # Part 2: SGD
-    ckpt_path = run_dir / "checkpoints" / "last.pt"
+    ckpt_path = run_dir / "checkpoints" / "last.pt"  # resume (Part 2): go on after it, if any
     start_epoch = resume(ckpt_path, cfg, fingerprint, raw_model, optimizer, scheduler, me)
     # Part 2: ranks/, metrics.jsonl and effective_config.json; timings by hooks, not in the loop
     records = Records(cfg, me, run_dir, data, start_epoch, model, optimizer, weights_note)
