@@ -1,13 +1,14 @@
 """The main job (``make demo``): run the notebooks in order with papermill.
 
-Executed notebooks and PNG plots go to ``--out``; a short summary is printed at the end.
-``python -m ddpnb.demo --out runs/demo [--quick]``
+Executed notebooks go to ``--out``, with the figures they show as PNG files
+(``03_figure1.png``, ...); the summary printed at the end is read from the run
+directories the notebooks wrote. ``python -m ddpnb.demo --out runs/demo [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import base64
 import time
 from pathlib import Path
 
@@ -19,39 +20,34 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
     small = {"epochs": 1, "max_steps_per_epoch": 3} if quick else {}
     base = str(out / "baseline")
     return {
-        "01_dataset_prep.ipynb": {"data_dir": str(data_dir), "out_dir": str(out)},
+        "01_dataset_prep.ipynb": {"data_dir": str(data_dir)},
         "02_single_node_baseline.ipynb": {
             "data_dir": str(data_dir),
             "run_dir": base,
-            "out_dir": str(out),
             **small,
         },
         "03_multi_node_ddp.ipynb": {
             "data_dir": str(data_dir),
             "baseline_dir": base,
             "run_dir": str(out / "ddp"),
-            "out_dir": str(out),
             "progress": "text",
             **small,
         },
         "04_fault_tolerance.ipynb": {
             "data_dir": str(data_dir),
             "run_dir": str(out / "fault"),
-            "out_dir": str(out),
             "progress": "text",
             **({"epochs": 3, "kill_at_epoch": 2, "max_steps_per_epoch": 3} if quick else {}),
         },
         "05_scaling.ipynb": {
             "data_dir": str(data_dir),
             "run_root": str(out / "scaling"),
-            "out_dir": str(out),
             "progress": "text",
             **small,
         },
         "06_pitfalls.ipynb": {
             "data_dir": str(data_dir),
             "run_root": str(out / "pitfalls"),
-            "out_dir": str(out),
             "progress": "text",
             # Whole epochs even when quick: the lessons compare epoch times and orders.
             **({"train_images": 200, "val_images": 41} if quick else {}),
@@ -62,7 +58,6 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
             "data_dir": str(data_dir),
             "run_dir": str(out / "real"),
             "simulated_dir": str(out / "ddp"),
-            "out_dir": str(out),
             "progress": "text",
         },
         # Prints the sbatch script and how to submit it (tests/test_slurm.py submits it to a
@@ -70,7 +65,6 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
         "08_slurm.ipynb": {
             "data_dir": str(data_dir),
             "run_dir": str(out / "slurm"),
-            "out_dir": str(out),
             "progress": "text",
             "use_slurm": False,
             **small,
@@ -80,6 +74,8 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
             "run_dir": str(out / "own"),
             **({"script_args": ["5"]} if quick else {}),
         },
+        # The appendix: the blog example's two Python typos, and their fixes.
+        "10_appendix_blog_typos.ipynb": {},
     }
 
 
@@ -99,11 +95,12 @@ def ipc_kernel_manager():
     return IpcKernelManager
 
 
-def run(out: Path, data_dir: Path, quick: bool = False, timeout: int = 900) -> dict:
-    """Execute every notebook into ``out`` and return the summaries they wrote."""
+def run(out: Path, data_dir: Path, quick: bool = False, timeout: int = 900) -> list[Path]:
+    """Execute every notebook into ``out``, save the figures each shows; the notebooks run."""
     import papermill
 
     out.mkdir(parents=True, exist_ok=True)
+    done = []
     for name, params in notebook_parameters(out, data_dir, quick).items():
         if not (NOTEBOOKS / name).exists():
             continue
@@ -119,11 +116,77 @@ def run(out: Path, data_dir: Path, quick: bool = False, timeout: int = 900) -> d
             progress_bar=False,
             kernel_manager_class=ipc_kernel_manager(),
         )
+        save_figures(out / name, out)
         print(f"   done in {time.time() - t:.0f} s -> {out / name}", flush=True)
-    summaries = {}
-    for path in sorted(out.glob("0*_summary.json")):
-        summaries[path.stem] = json.loads(path.read_text())
-    return summaries
+        done.append(out / name)
+    return done
+
+
+def save_figures(notebook: Path, folder: Path) -> list[Path]:
+    """Write every image an executed notebook shows to ``folder/<NN>_figure<i>.png``."""
+    import nbformat
+
+    nb = nbformat.read(notebook, as_version=4)
+    images = [
+        o["data"]["image/png"]
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if "image/png" in o.get("data", {})
+    ]
+    paths = []
+    for i, data in enumerate(images, 1):
+        path = folder / f"{notebook.name[:2]}_figure{i}.png"
+        path.write_bytes(base64.b64decode(data))
+        paths.append(path)
+    return paths
+
+
+def summary_lines(out: Path) -> list[str]:
+    """The key figures, read from the run directories the notebooks wrote under ``out``."""
+    from .metrics import load_metrics
+    from .report import same_weights, scaling_table
+
+    def final(name: str) -> dict | None:
+        run = out / name
+        return load_metrics(run).final if (run / "metrics.jsonl").is_file() else None
+
+    lines = []
+    if b := final("baseline"):
+        lines.append(
+            f"baseline (1 process):  val_acc {b['val_acc']:.4f}  {b['images_per_second']:.0f} img/s"
+        )
+    if d := final("ddp"):
+        lines.append(
+            f"DDP (world size {d['world_size']}):   val_acc {d['val_acc']:.4f}  "
+            f"{d['images_per_second']:.0f} img/s"
+        )
+    if final("fault") and final("fault_uninterrupted"):
+        clean = load_metrics(out / "fault_uninterrupted").epochs
+        drill = load_metrics(out / "fault").epochs[: len(clean)]  # before the extra epoch
+        restarts = max(r.get("restart_count", 0) for r in drill)
+        lines.append(
+            f"failure drill: val_acc {drill[-1]['val_acc']:.4f} after {restarts} restart(s), "
+            f"{clean[-1]['val_acc']:.4f} uninterrupted"
+        )
+    scaling = out / "scaling"
+    layouts = sorted(p.name for p in scaling.glob("*x*") if "-" not in p.name)
+    layouts = [name for name in layouts if (scaling / name / "metrics.jsonl").is_file()]
+    for row in scaling_table({name: scaling / name for name in layouts}) if layouts else []:
+        lines.append(
+            f"scaling {row['layout']}:  {row['images/s']} img/s, efficiency "
+            f"{row['efficiency']:.2f}, communication share {row['communication share']:.2f}"
+        )
+    for gloo in sorted(scaling.glob("*-gloo")):
+        shm = scaling / gloo.name.removesuffix("-gloo")
+        if (gloo / "metrics.jsonl").is_file() and (shm / "metrics.jsonl").is_file():
+            lines.append(
+                f"{shm.name} gradients through shared memory "
+                f"{load_metrics(shm).final['images_per_second']:.0f} img/s, through gloo "
+                f"{load_metrics(gloo).final['images_per_second']:.0f} img/s, "
+                f"identical weights {same_weights(shm, gloo)}"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,39 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out, data = Path(args.out).resolve(), Path(args.data).resolve()
     t = time.time()
-    s = run(out, data, args.quick)
+    run(out, data, args.quick)
     print(f"\nddpnb demo finished in {time.time() - t:.0f} s; outputs in {out}")
-    if "02_summary" in s:
-        b = s["02_summary"]
-        print(
-            f"  baseline (1 process):  val_acc {b['val_acc']:.4f}  {b['images_per_second']:.0f} img/s"
-        )
-    if "03_summary" in s:
-        d = s["03_summary"]
-        print(
-            f"  DDP (world size {d['world_size']}):   val_acc {d['ddp_val_acc']:.4f}  "
-            f"{d['ddp_images_per_second']:.0f} img/s"
-        )
-    if "04_summary" in s:
-        f = s["04_summary"]
-        print(
-            f"  failure drill ({f['fault']}): val_acc {f['fault_val_acc']:.4f} after a restart, "
-            f"{f['uninterrupted_val_acc']:.4f} uninterrupted"
-        )
-    if "05_summary" in s:
-        for row in s["05_summary"]["layouts"]:
-            print(
-                f"  scaling {row['layout']}:  {row['images/s']} img/s, efficiency "
-                f"{row['efficiency']:.2f}, communication share {row['communication share']:.2f}"
-            )
-        v = s["05_summary"].get("shared_memory_vs_gloo")
-        if v:
-            print(
-                f"  {v['layout']} gradients through shared memory "
-                f"{v['shared_memory_images_per_second']} img/s, through gloo "
-                f"{v['gloo_images_per_second']} img/s, identical weights {v['identical_weights']}"
-            )
-    print("  plots: " + ", ".join(sorted(p.name for p in out.glob("*.png"))))
+    for line in summary_lines(out):
+        print("  " + line)
+    print("  figures: " + ", ".join(sorted(p.name for p in out.glob("*_figure*.png"))))
     return 0
 
 

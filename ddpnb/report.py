@@ -1,13 +1,12 @@
 """Tables and summaries of finished runs: pure functions of run directories.
 
-The notebooks print these tables and write these summaries; the plots in
+The notebooks print these tables; the plots in
 :mod:`ddpnb.plot` draw from the same functions, so a number in a table and the bar
 that shows it come from one place. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -252,18 +251,3 @@ def node_log_lines(
         out.append(f"--- {path.stem.replace('-', ' ')}")
         out.extend(ln.rstrip()[:width] for ln in chosen)
     return "\n".join(out)
-
-
-def summary_record(name: str, out_dir: str | os.PathLike, **values) -> None:
-    """Write ``values`` to ``out_dir/<name>_summary.json`` (the demo and the tests read
-    it) and print what was written. Values must be JSON-ready (tables are lists of dicts).
-
-    Example
-    -------
-    >>> summary_record("02", "runs/demo", **run_figures("runs/baseline"))   # doctest: +SKIP
-    """
-    path = Path(out_dir) / f"{name}_summary.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(values, indent=2)
-    path.write_text(text + "\n")
-    print(f"{path}:\n{text}")

@@ -37,7 +37,6 @@ NB_4 = "03_multi_node_ddp_4nodes.ipynb"
 SMALL = dict(
     data_dir="data/tiny",
     baseline_dir="runs/baseline",  # absent: the notebook plots DDP alone
-    out_dir="runs/out",
     image_size=16,
     batch_size=8,
     progress="auto",
