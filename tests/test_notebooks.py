@@ -229,7 +229,6 @@ def test_05_scaling(executed):
 
 @pytest.mark.slow
 def test_06_pitfalls(executed):
-    from ddpnb import pitfalls
 
     out = _ok(executed, "06_pitfalls.ipynb")
     root = out / "pitfalls"
@@ -259,7 +258,6 @@ def test_06_pitfalls(executed):
     assert all(r["train_samples"] == n_train for recs in ranks.values() for r in recs)
     if ranks[0][0].get("order_hash") is not None:
         assert [r["order_hash"] for r in ranks[0]] == [r["order_hash"] for r in ranks[1]]
-    assert pitfalls.epoch_seconds(run["no_sampler"]) > 1.3 * pitfalls.epoch_seconds(correct)
     # No set_epoch: each rank repeats its first epoch's order; the correct run's changes.
     for rank in (0, 1):
         first, second = (r["order_hash"] for r in run["no_set_epoch"].ranks[rank])
