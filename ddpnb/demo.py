@@ -19,61 +19,32 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
     """papermill parameters per notebook; ``quick`` shrinks training for smoke runs."""
     small = {"epochs": 1, "max_steps_per_epoch": 3} if quick else {}
     base = str(out / "baseline")
+    data = {"data_dir": str(data_dir)}
+    live = {**data, "progress": "text"}  # the panel as lines: no widgets under papermill
     return {
-        "01_dataset_prep.ipynb": {"data_dir": str(data_dir)},
-        "02_single_node_baseline.ipynb": {
-            "data_dir": str(data_dir),
-            "run_dir": base,
-            **small,
-        },
-        "03_multi_node_ddp.ipynb": {
-            "data_dir": str(data_dir),
-            "baseline_dir": base,
-            "run_dir": str(out / "ddp"),
-            "progress": "text",
-            **small,
-        },
-        "04_fault_tolerance.ipynb": {
-            "data_dir": str(data_dir),
-            "run_dir": str(out / "fault"),
-            "progress": "text",
-            **({"epochs": 3, "kill_at_epoch": 2, "max_steps_per_epoch": 3} if quick else {}),
-        },
-        "05_scaling.ipynb": {
-            "data_dir": str(data_dir),
-            "run_root": str(out / "scaling"),
-            "progress": "text",
-            **small,
-        },
-        "06_pitfalls.ipynb": {
-            "data_dir": str(data_dir),
-            "run_root": str(out / "pitfalls"),
-            "progress": "text",
-            # Whole epochs even when quick: the lessons compare epoch times and orders.
-            **({"train_images": 200, "val_images": 41} if quick else {}),
-        },
+        "01_dataset_prep.ipynb": data,
+        "02_single_node_baseline.ipynb": {**data, "run_dir": base, **small},
+        "03_multi_node_ddp.ipynb": {**live, "baseline_dir": base, "run_dir": str(out / "ddp")}
+        | small,
+        "04_fault_tolerance.ipynb": {**live, "run_dir": str(out / "fault")}
+        | ({"epochs": 3, "kill_at_epoch": 2, "max_steps_per_epoch": 3} if quick else {}),
+        "05_scaling.ipynb": {**live, "run_root": str(out / "scaling"), **small},
+        # Whole epochs even when quick: the lessons compare epoch times and orders.
+        "06_pitfalls.ipynb": {**live, "run_root": str(out / "pitfalls")}
+        | ({"train_images": 200, "val_images": 41} if quick else {}),
         # hosts stays empty: the notebook explains and shows the commands, starting nothing
         # (tests/test_ssh.py runs it against two SSH hosts).
         "07_real_machines.ipynb": {
-            "data_dir": str(data_dir),
+            **live,
             "run_dir": str(out / "real"),
             "simulated_dir": str(out / "ddp"),
-            "progress": "text",
         },
         # Prints the sbatch script and how to submit it (tests/test_slurm.py submits it to a
         # throwaway Slurm); use_slurm=None would submit wherever a Slurm controller answers.
-        "08_slurm.ipynb": {
-            "data_dir": str(data_dir),
-            "run_dir": str(out / "slurm"),
-            "progress": "text",
-            "use_slurm": False,
-            **small,
-        },
+        "08_slurm.ipynb": {**live, "run_dir": str(out / "slurm"), "use_slurm": False, **small},
         # Your own script: written by the notebook, launched on two simulated nodes.
-        "09_your_own_script.ipynb": {
-            "run_dir": str(out / "own"),
-            **({"script_args": ["5"]} if quick else {}),
-        },
+        "09_your_own_script.ipynb": {"run_dir": str(out / "own")}
+        | ({"script_args": ["5"]} if quick else {}),
         # The appendix: the blog example's two Python typos, and their fixes.
         "10_appendix_blog_typos.ipynb": {},
     }
