@@ -8,9 +8,9 @@ import pytest
 from PIL import Image
 
 import ddpnb
+from ddpnb.constants import dataset_fingerprint
 from ddpnb.data import require_valid_dataset
 from ddpnb.errors import DatasetError
-from ddpnb.worker import dataset_fingerprint
 
 
 def test_prepare_digits_writes_a_stratified_imagefolder(digits_data):
