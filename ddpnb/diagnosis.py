@@ -220,6 +220,18 @@ def lost_node(
         what = "A node or rank stopped answering (crashed, killed, or the network was cut)"
         if unwatched:
             what += f"; nodes {unwatched} run elsewhere: check them first"
+    killed = killed_worker(run_dir, local_nodes)
+    if killed is not None and (not errors or errors[0][0][0]):  # nothing but secondary errors
+        node, rank, code = killed
+        name = signal.Signals(-code).name if -code in set(signal.Signals) else f"signal {-code}"
+        return WorkerFailed(
+            f"Worker global rank {rank} on node {node} was killed by {name} (exit code {code}); "
+            "the other ranks failed because it was gone. The other nodes were stopped.",
+            node_rank=node,
+            global_rank=rank,
+            exit_code=code,
+            log_tail=log_tail(run_dir, node),
+        )
     if errors:
         _, node, rank, info = errors[0]
         what += f". Worker global rank {rank} on node {node} saw: {info['message'].rstrip('.')}"
@@ -228,6 +240,15 @@ def lost_node(
         node_rank=suspects[0] if len(suspects) == 1 else None,
         log_tail=log_tail(run_dir, min(failed), 20),
     )
+
+
+def killed_worker(run_dir: Path, nodes: Sequence[int]) -> tuple[int, int, int] | None:
+    """(node, global rank, exit code) of a worker a signal killed, from torchrun's summaries."""
+    for node in nodes:
+        for r in failed_ranks(run_dir, node):
+            if r["exit_code"] < 0:
+                return node, r["rank"], r["exit_code"]
+    return None
 
 
 def diagnose_failure(
@@ -248,6 +269,18 @@ def diagnose_failure(
     lost = lost_node(run_dir, topology, local_nodes, failed, errors, started_at)
     if lost is not None:
         return lost
+    killed = killed_worker(run_dir, local_nodes)
+    if killed is not None and (not errors or errors[0][0][0]):  # nothing but secondary errors
+        node, rank, code = killed
+        name = signal.Signals(-code).name if -code in set(signal.Signals) else f"signal {-code}"
+        return WorkerFailed(
+            f"Worker global rank {rank} on node {node} was killed by {name} (exit code {code}); "
+            "the other ranks failed because it was gone. The other nodes were stopped.",
+            node_rank=node,
+            global_rank=rank,
+            exit_code=code,
+            log_tail=log_tail(run_dir, node),
+        )
     if errors:
         _, node, rank, info = errors[0]
         exit_code = worker_exit_code(log_tail(run_dir, node, 200), rank)
