@@ -220,18 +220,6 @@ def lost_node(
         what = "A node or rank stopped answering (crashed, killed, or the network was cut)"
         if unwatched:
             what += f"; nodes {unwatched} run elsewhere: check them first"
-    killed = killed_worker(run_dir, local_nodes)
-    if killed is not None and (not errors or errors[0][0][0]):  # nothing but secondary errors
-        node, rank, code = killed
-        name = signal.Signals(-code).name if -code in set(signal.Signals) else f"signal {-code}"
-        return WorkerFailed(
-            f"Worker global rank {rank} on node {node} was killed by {name} (exit code {code}); "
-            "the other ranks failed because it was gone. The other nodes were stopped.",
-            node_rank=node,
-            global_rank=rank,
-            exit_code=code,
-            log_tail=log_tail(run_dir, node),
-        )
     if errors:
         _, node, rank, info = errors[0]
         what += f". Worker global rank {rank} on node {node} saw: {info['message'].rstrip('.')}"
