@@ -89,9 +89,13 @@ def step(step: int, steps: int, *, epoch: int = 1, epochs: int = 1, loss=None) -
     """
     if _state["first_step_time"] is None:
         _state["first_step_time"] = time.time()
-        _state["fault"] = parse_fault(os.environ.get(FAULT_ENV, ""))
-    _check_agent()
-    _inject_fault(step, epoch)
+        _state["fault"] = _this_process_fault()  # read once: the steps only compare numbers
+        _state["under_torchrun"] = "TORCHELASTIC_RUN_ID" in os.environ
+    if _state["under_torchrun"]:
+        _check_agent()
+    fault = _state["fault"]
+    if fault is not None and (fault["epoch"], fault["step"]) == (epoch, step):
+        _inject_fault(fault, step, epoch)
     now = time.monotonic()
     if run_dir() is None or (now - _state["last"] < INTERVAL and step < steps):
         return
@@ -109,7 +113,8 @@ def parse_fault(spec: str) -> dict | None:
     fault = {"rank": 0, "epoch": 1, "step": 1, "mode": "kill", "restart": 0}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         key, _, value = item.partition("=")
-        if key not in fault or (key == "mode" and value not in ("kill", "raise")):
+        number = value.isdigit() or key == "mode"
+        if key not in fault or not number or (key == "mode" and value not in ("kill", "raise")):
             raise ValueError(
                 f"{FAULT_ENV}={spec!r}: {item!r} is not understood. Write it as "
                 "rank=R,epoch=E,step=S (S counts from 1), optionally ,mode=kill|raise,restart=N."
@@ -118,20 +123,22 @@ def parse_fault(spec: str) -> dict | None:
     return fault
 
 
-def _inject_fault(step: int, epoch: int) -> None:
-    fault = _state["fault"]
+def _this_process_fault() -> dict | None:
+    """``DDPNB_FAULT`` if it names this rank and attempt, else None."""
+    fault = parse_fault(os.environ.get(FAULT_ENV, ""))
     here = (int(os.environ.get("RANK", 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    if not fault or (fault["rank"], fault["restart"]) != here:
-        return
-    if (fault["epoch"], fault["step"]) == (epoch, step):
-        print(f"{FAULT_ENV}: {fault['mode']} at epoch {epoch} step {step}", flush=True)
-        if fault["mode"] == "raise":
-            raise RuntimeError(f"{FAULT_ENV} injected failure at epoch {epoch} step {step}")
-        os.kill(os.getpid(), signal.SIGKILL)
+    return fault if fault and (fault["rank"], fault["restart"]) == here else None
+
+
+def _inject_fault(fault: dict, step: int, epoch: int) -> None:
+    print(f"{FAULT_ENV}: {fault['mode']} at epoch {epoch} step {step}", flush=True)
+    if fault["mode"] == "raise":
+        raise RuntimeError(f"{FAULT_ENV} injected failure at epoch {epoch} step {step}")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _check_agent() -> None:
-    if "TORCHELASTIC_RUN_ID" in os.environ and os.getppid() != _state["agent_pid"]:
+    if os.getppid() != _state["agent_pid"]:
         raise RuntimeError(
             f"The torchrun agent (pid {_state['agent_pid']}) of node "
             f"{os.environ.get('GROUP_RANK', '?')} is gone: this node is lost, so its worker "
