@@ -32,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 import ddpnb  # noqa: E402
 from ddpnb.metrics import read_progress  # noqa: E402
 from ddpnb.preflight import free_port  # noqa: E402
+from ddpnb.script import worker_script  # noqa: E402
+from ddpnb.source import WORKER_PATH  # noqa: E402
 
 REFERENCE = HERE / "reference_ddp.py"
 GPU_HEADING = "## GPU check"  # bench/gpu_check.py --record appends sections under it
@@ -100,8 +102,22 @@ def reference_single(steps: int, batch: int, threads: int = 0) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def ddpnb_run(data: Path, nnodes: int, nproc: int, epochs: int, **cfg) -> dict:
-    """Train with ddpnb.launch; return steady images/s (epochs after the first) and latency."""
+def per_load_worker(folder: Path) -> Path:
+    """The worker without make_data's faster path: each image decoded and transformed as
+    it loads, as ImageFolder's transforms do (the line that takes the path, deleted)."""
+    text = WORKER_PATH.read_text()
+    lines = [ln for ln in text.splitlines(True) if "= decoded_in_memory(train_set, val_set" in ln]
+    assert len(lines) == 1, lines
+    path = folder / "train_ddp_per_load.py"
+    path.write_text(text.replace(lines[0], ""))
+    return path
+
+
+def ddpnb_run(data: Path, nnodes: int, nproc: int, epochs: int, worker=None, **cfg) -> dict:
+    """Train with ddpnb.launch; return steady images/s (epochs after the first) and latency.
+
+    ``worker``: another version of the worker script to run instead of ddpnb's own.
+    """
     run_dir = Path(tempfile.mkdtemp(prefix="ddpnb-bench-"))
     # Full batches only (1437 train images: 22 steps of 64), like the reference loop: a
     # short last batch pays a whole step's all-reduce and optimizer update for few images.
@@ -109,8 +125,9 @@ def ddpnb_run(data: Path, nnodes: int, nproc: int, epochs: int, **cfg) -> dict:
         data_dir=str(data), image_size=32, epochs=epochs, max_steps_per_epoch=22, **cfg
     )
     t0 = time.time()
+    what = worker_script(config, worker) if worker else config
     job = ddpnb.launch(
-        config, run_dir, nnodes=nnodes, nproc_per_node=nproc, progress="none", overwrite=True
+        what, run_dir, nnodes=nnodes, nproc_per_node=nproc, progress="none", overwrite=True
     )
     rows = job.metrics.epochs
     ranks = job.metrics.ranks
@@ -178,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ddpnb.prepare_digits(data, image_size=32)
     ddpnb.inspect_dataset(data, show=False)
     steps = 44  # as many timed steps as two ddpnb epochs of 22
+    per_load_path = per_load_worker(data.parent)
 
     samples: dict[str, list[float]] = {}
 
@@ -197,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         core32 = reference_single(steps, 32, threads=1)["images_per_second"]
         core64 = reference_single(steps, 64, threads=1)["images_per_second"]
         one = ddpnb_run(data, 1, 1, epochs, batch_size=64)
+        per_load = ddpnb_run(data, 1, 1, epochs, batch_size=64, worker=per_load_path)
         two = ddpnb_run(data, 1, 2, epochs, batch_size=32)
         gloo = ddpnb_run(data, 1, 2, epochs, batch_size=32, comm_hook="none")
         nodes = ddpnb_run(data, 2, 1, epochs, batch_size=32)
@@ -225,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         note(
             "3 ddpnb 1x2 / ddpnb 1x1 (both cores)",
             two["images_per_second"] / one["images_per_second"],
+        )
+        note(
+            "4 ddpnb 1x1 decoded in memory (the default here) / decoded per load",
+            one["images_per_second"] / per_load["images_per_second"],
         )
         note(
             "5 launch latency ddpnb / bare torchrun",

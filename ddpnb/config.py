@@ -22,8 +22,9 @@ Augment = Literal["auto", "digits", "photo", "none"]
 CommHook = Literal["auto", "shm", "none", "bf16", "fp16"]
 LrSchedule = Literal["cosine", "constant"]
 # Fields of earlier versions, dropped when an old config.json is loaded (its run still
-# loads and resumes): the in-memory pipeline and notebook 06's pitfall switches, whose
-# lessons are now variants of the worker script (ddpnb.pitfalls).
+# loads and resumes): the pipeline switch (the worker now decides by the data's size,
+# visibly in make_data) and notebook 06's pitfall switches, whose lessons are now
+# variants of the worker script (ddpnb.pitfalls).
 RETIRED_KEYS = (
     "pipeline",
     "distributed_sampler",
@@ -147,9 +148,10 @@ class TrainConfig:
         retired = [k for k in unknown if k in RETIRED_KEYS]
         if retired:
             raise ConfigError(
-                f"{', '.join(retired)}: no longer a config field. The in-memory pipeline is "
-                "gone (a DataLoader serves every run), and the pitfall switches became "
-                "variants of the worker script: ddpnb.pitfalls.script(config, name, folder)."
+                f"{', '.join(retired)}: no longer a config field. Every run reads its "
+                "images through a DataLoader (the worker keeps small datasets decoded in "
+                "memory by itself), and the pitfall switches became variants of the worker "
+                "script: ddpnb.pitfalls.script(config, name, folder)."
             )
         if unknown:
             raise ConfigError(

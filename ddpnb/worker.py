@@ -168,6 +168,10 @@ def join_process_group(backend: str, timeout_seconds: int, me: Rank, device: tor
 def make_data(cfg: dict, me: Rank, data_dir: Path, device: torch.device) -> Data:
     """This rank's shard of train (a DistributedSampler) and of val (exact), as DataLoaders."""
     train_set, val_set, augment = image_folders(cfg, me, data_dir)  # Part 2: transforms
+    # Faster path, taken when the decoded images fit in memory and need no photo crops:
+    # decode each image once and transform a whole batch in one call, instead of each
+    # image as it loads. One process on 2 CPU cores: 1.2x the images/s (bench/run.py).
+    train_set, val_set = decoded_in_memory(train_set, val_set, cfg, augment[0])  # Part 2
     # Every rank draws the same seeded shuffle and keeps its own 1/world_size of it (padded
     # with repeats, so every rank takes the same number of steps).
     train_sampler = DistributedSampler(
@@ -343,6 +347,13 @@ class Data:
     augment: str  # what augment="auto" became,
     augment_reason: str  # and why
 
+    @property
+    def images(self) -> str:
+        """Which way the images are read: make_data's faster path or the classic one."""
+        if isinstance(self.train_loader.dataset, DecodedImages):
+            return "decoded in memory"
+        return "decoded per load"
+
 
 # -- the process: device, threads, the rendezvous store, the same dataset everywhere -----
 
@@ -472,6 +483,7 @@ class Records:
             "augment": data.augment,
             "augment_requested": cfg["augment"],
             "augment_reason": data.augment_reason,
+            "images": data.images,
             "backend": backend,
             "device": str(device),
             "world_size": me.world_size,
@@ -488,7 +500,7 @@ class Records:
         atomic_write_bytes(self.run_dir / "effective_config.json", text.encode())
         me.log(
             f"{cfg['model']} ({weights_note}), {data.num_classes} classes, augment "
-            f"{data.augment}, {data.steps_per_epoch} steps/epoch, global batch "
+            f"{data.augment}, images {data.images}, {data.steps_per_epoch} steps/epoch, global batch "
             f"{cfg['batch_size'] * me.world_size}"
         )
 
@@ -822,6 +834,70 @@ def loader_transforms(augment: str, size: int) -> tuple[transforms.Compose, tran
     else:
         train = [transforms.Resize(size), transforms.CenterCrop(size)]
     return transforms.Compose([*train, *tail]), val
+
+
+# The faster path: at most this many bytes of decoded images per process (DataLoader
+# workers each hold their own copy).
+DECODED_BYTES = 1 << 30
+
+
+def decoded_in_memory(train_set, val_set, cfg: dict, augment: str):
+    """Both splits as DecodedImages when they fit in DECODED_BYTES and need no photo
+    crops (those are cut from the full-size image); otherwise the ImageFolders as given."""
+    size = cfg["image_size"]
+    need = (len(train_set) + len(val_set)) * 3 * size * size * max(1, cfg["num_workers"])
+    if augment == "photo" or need > DECODED_BYTES:
+        return train_set, val_set
+    return DecodedImages(train_set, size, augment), DecodedImages(val_set, size, "none")
+
+
+class DecodedImages(torch.utils.data.Dataset):
+    """An ImageFolder's images kept decoded (uint8) and transformed a batch at a time.
+
+    The same transforms as ``loader_transforms`` for augment "none" and "digits": resize
+    and centre-crop (once, when an image is first decoded), the random affine, then the
+    normalisation. The DataLoader asks for a batch's indices together (``__getitems__``),
+    so the random part and the normalisation are one call over the batch.
+    """
+
+    def __init__(self, folder: torchvision.datasets.ImageFolder, size: int, augment: str):
+        self.samples, self.classes, self.augment = folder.samples, folder.classes, augment
+        self.fit = transforms.Compose(
+            [transforms.Resize(size), transforms.CenterCrop(size), transforms.PILToTensor()]
+        )
+        self.images = torch.empty((len(self.samples), 3, size, size), dtype=torch.uint8)
+        self.decoded = [False] * len(self.samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list[int]) -> list:
+        for i in indices:
+            if not self.decoded[i]:
+                self.images[i] = self.fit(load_image(self.samples[i][0]))
+                self.decoded[i] = True
+        x = self.images[indices].float().div_(255)
+        if self.augment == "digits":
+            x = random_affine(x, degrees=10, translate=0.1, scale=(0.9, 1.1))
+        x = transforms.functional.normalize(x, constants.IMAGENET_MEAN, constants.IMAGENET_STD)
+        return list(zip(x, (self.samples[i][1] for i in indices)))
+
+
+def random_affine(x: torch.Tensor, degrees: float, translate: float, scale: tuple) -> torch.Tensor:
+    """transforms.RandomAffine on each image of a batch (its own angle, shift and scale),
+    as one grid_sample call: nearest pixel, zeros outside, as torchvision does."""
+    n = x.shape[0]
+    angle = (torch.rand(n) * 2 - 1) * math.radians(degrees)
+    zoom = scale[0] + (scale[1] - scale[0]) * torch.rand(n)
+    shift = (torch.rand(n, 2, 1) * 2 - 1) * (2 * translate)  # in [-1, 1] image coordinates
+    cos, sin = torch.cos(angle) / zoom, torch.sin(angle) / zoom
+    inverse = torch.stack([torch.stack([cos, sin], 1), torch.stack([-sin, cos], 1)], 1)
+    theta = torch.cat([inverse, -inverse @ shift], 2)  # output pixel -> where it came from
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    return F.grid_sample(x, grid, mode="nearest", padding_mode="zeros", align_corners=False)
 
 
 def load_image(path: str):

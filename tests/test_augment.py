@@ -7,10 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import tiny_config
 from PIL import Image
+from torch.utils.data import DataLoader
 
 import ddpnb
+from ddpnb import worker
 from ddpnb.worker import resolve_augment
 
 AUTO = {"augment": "auto"}
@@ -68,7 +71,55 @@ def test_unknown_grayscale_digits_train_without_photo_crops_or_warnings(data_cop
     effective = json.loads((job.run_dir / "effective_config.json").read_text())
     assert job.metrics.effective == effective
     assert effective["augment"] == "none" and effective["augment_requested"] == "auto"
+    assert effective["images"] == "decoded in memory"  # make_data's faster path
     assert effective["augment_reason"].startswith("auto -> none: grayscale 16x16")
     assert effective["world_size"] == 2 and effective["threads"] >= 1
     assert effective["backend"] == "gloo"
     assert effective["lr"] == cfg.lr  # the config itself is in there too
+
+
+# make_data's faster path: small datasets decoded once, transformed a batch at a time.
+CFG = {"image_size": 16, "num_workers": 0}
+
+
+def splits(data: Path, augment: str):
+    train, val, _ = worker.image_folders({**CFG, "augment": augment}, worker.who_am_i(), data)
+    return (train, val), worker.decoded_in_memory(train, val, CFG, augment)
+
+
+def test_in_memory_batches_are_the_per_image_transforms_batched(tiny_data):
+    (train, val), (dtrain, dval) = splits(tiny_data, "none")
+    assert isinstance(dtrain, worker.DecodedImages) and dval.classes == val.classes
+    for classic, decoded in ((train, dtrain), (val, dval)):
+        for (x, y), (dx, dy) in zip(
+            DataLoader(classic, batch_size=8), DataLoader(decoded, batch_size=8)
+        ):
+            assert torch.equal(x, dx) and torch.equal(y, dy)
+    assert len(dtrain) == len(train) and all(dtrain.decoded)  # each decoded once, then kept
+
+
+def test_in_memory_digits_get_their_own_random_affine_each(tiny_data):
+    (train, _), (dtrain, _) = splits(tiny_data, "digits")
+    torch.manual_seed(0)
+    batch = torch.stack([x for x, _ in dtrain.__getitems__([0] * 8)])
+    plain = torch.stack([x for x, _ in splits(tiny_data, "none")[1][0].__getitems__([0])])
+    assert batch.shape == (8, 3, 16, 16)
+    assert len({x.sum().item() for x in batch}) == 8  # eight different draws of one image
+    assert not torch.equal(batch[0], plain[0])
+    # The same kind of change as torchvision's RandomAffine on the classic path.
+    classic = torch.stack([train[0][0] for _ in range(64)])
+    mean = torch.stack([x for x, _ in dtrain.__getitems__([0] * 64)]).mean()
+    assert abs(mean - classic.mean()) < 0.1
+
+
+def test_random_affine_without_randomness_is_the_identity():
+    x = torch.rand(4, 3, 16, 16)
+    assert torch.equal(worker.random_affine(x, degrees=0, translate=0.0, scale=(1, 1)), x)
+
+
+def test_photos_and_big_datasets_stay_decoded_per_load(tiny_data, monkeypatch):
+    (train, val), decoded = splits(tiny_data, "photo")
+    assert decoded == (train, val)  # photo crops are cut from the full-size image
+    monkeypatch.setattr(worker, "DECODED_BYTES", 3 * 16 * 16 * (len(train) + len(val)) - 1)
+    (train, val), decoded = splits(tiny_data, "none")
+    assert decoded == (train, val)
