@@ -36,11 +36,10 @@ from ddpnb.script import worker_script  # noqa: E402
 from ddpnb.source import WORKER_PATH  # noqa: E402
 
 REFERENCE = HERE / "reference_ddp.py"
-GPU_HEADING = "## GPU check"  # bench/gpu_check.py --record appends sections under it
-GPU_UNMEASURED = (
-    f"{GPU_HEADING}\n\nNot yet measured: no GPU has been lent to this project yet. "
-    "`make gpu-check GPU_CHECK_ARGS=--record` on one appends its figures here.\n"
-)
+# bench/run.py rewrites only what lies between these two lines of bench/results.md; the
+# sections written by hand or by other benchmarks (gpu_check.py --record) are kept.
+BEGIN = "<!-- bench/run.py writes from here -->"
+END = "<!-- bench/run.py writes up to here -->"
 # The 2-core ceiling measured when the issue was written: one process, no DDP, both
 # cores, in-memory batches, resnet18 at 32 px, batch 64. This run measures its own.
 CEILING_REFERENCE_IPS = 590
@@ -182,6 +181,17 @@ def timed(cmd: list[str]) -> float:
     return time.time() - t
 
 
+def replace_block(path: Path, table: str) -> str:
+    """``path``'s text with this run's table between BEGIN and END (at the top if the
+    file has no such block yet); everything else in the file is kept."""
+    old = path.read_text() if path.exists() else ""
+    block = f"{BEGIN}\n{table}{END}\n"
+    if BEGIN in old and END in old:
+        before, rest = old.split(BEGIN, 1)
+        return before + block + rest.split(END, 1)[1].removeprefix("\n")
+    return block + ("\n" + old if old else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -309,13 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     if suite:
         lines += ["", "Wall times after install:", ""]
         lines += [f"- `{k}`: {v:.0f} s" for k, v in suite.items()]
-    text = "\n".join(lines) + "\n"
-    # The GPU figures come from `make gpu-check --record` on a lent GPU: keep them.
-    old = Path(args.out).read_text() if Path(args.out).exists() else ""
-    gpu = old.find(GPU_HEADING)
-    text += "\n" + (old[gpu:] if gpu >= 0 else GPU_UNMEASURED)
-    print("\n" + text)
-    Path(args.out).write_text(text)
+    table = "\n".join(lines) + "\n"
+    print("\n" + table)
+    Path(args.out).write_text(replace_block(Path(args.out), table))
     print(f"wrote {args.out}")
     return 0
 
