@@ -21,7 +21,7 @@ class RunMetrics:
     ranks: dict[int, list[dict]]
     config: dict
     # effective_config.json: the config with what "auto" resolved to on this run
-    # (augment and its reason, backend, world size, threads, pipeline...); {} before.
+    # (augment and its reason, how images are read, backend, world size, threads...); {} before.
     effective: dict = dataclasses.field(default_factory=dict)
 
     @property
