@@ -170,7 +170,7 @@ def make_data(cfg: dict, me: Rank, data_dir: Path, device: torch.device) -> Data
     train_set, val_set, augment = image_folders(cfg, me, data_dir)  # Part 2: transforms
     # Faster path, taken when the decoded images fit in memory and need no photo crops:
     # decode each image once and transform a whole batch in one call, instead of each
-    # image as it loads. One process on 2 CPU cores: 1.2x the images/s (bench/run.py).
+    # image as it loads. One process on 2 CPU cores: 1.18x the images/s (bench/run.py, 4).
     train_set, val_set = decoded_in_memory(train_set, val_set, cfg, augment[0])  # Part 2
     # Every rank draws the same seeded shuffle and keeps its own 1/world_size of it (padded
     # with repeats, so every rank takes the same number of steps).
@@ -206,8 +206,8 @@ def wrap_model(model: nn.Module, cfg: dict, me: Rank, device: torch.device) -> n
         **no_forward_buffer_sync(),
     )
     # How each gradient bucket is averaged (comm_hook). On one host with gloo: through
-    # shared memory instead of gloo's TCP loopback, the same sums, about 1.12x the images/s
-    # on 2 CPU cores (bench/levers.py). Elsewhere the backend's all-reduce, as plain DDP.
+    # shared memory instead of gloo's TCP loopback, the same sums, about 1.09x the images/s
+    # on 2 CPU cores (bench/run.py, 0). Elsewhere the backend's all-reduce, as plain DDP.
     ddp.register_comm_hook(COMM, gradient_hook(cfg, me, device))  # Part 2: chosen, timed
     return ddp
 
