@@ -32,6 +32,41 @@ FIELD_HELP = {"data_dir": "ImageFolder with train/ and val/ (required unless --c
 _FIELD_DEST = "field:"  # namespace prefix of the TrainConfig options
 STOP_SIGNALS = ("SIGTERM", "SIGHUP")
 
+# The commands with a description of their own: (``ddpnb -h``'s line, ``ddpnb CMD -h``'s text).
+COMMANDS = {
+    "train": (
+        "train with DDP (one torchrun per node)",
+        "Train with DDP, one torchrun per node. Every training option is a TrainConfig field; "
+        "only the options given override its defaults (or --config).",
+    ),
+    "run": (
+        "run your own torchrun script with DDP (simulated nodes, --hosts, or --slurm)",
+        "Run any torchrun script, torchrun's way: options first, then the script; everything "
+        "after the script goes to it unchanged. Simulated nodes on this machine by default, "
+        "real hosts with --hosts, a Slurm batch job with --slurm. The run directory is the "
+        "script's working directory on every node.",
+    ),
+    "check-hosts": (
+        "prove real hosts can run a job: logins, torch, the network (exit 1 on problems)",
+        "Ask every host (login, interpreter, torch) and prove the network: node 0's address "
+        "and port from every host, every pair on the ports the collectives use, each host's "
+        "interface toward node 0. Starts no training. Exit 0: ready; 1: problems, each named "
+        "with its fix; 2: bad arguments.",
+    ),
+    "submit": (
+        "train as a Slurm batch job (sbatch), followed until it ends",
+        "Submit a run with sbatch: one torchrun per node (srun), the c10d rendezvous on the "
+        "first node. RUN_DIR must be on a filesystem every node shares. Ctrl-C cancels the "
+        "job (scancel); --detach leaves it running (ddpnb attach RUN_DIR).",
+    ),
+}
+
+
+def _command(sub, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """The subcommand ``name``, with its texts from COMMANDS."""
+    help_, description = COMMANDS[name]
+    return sub.add_parser(name, help=help_, description=description, **kwargs)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -87,12 +122,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:
-    train = sub.add_parser(
-        "train",
-        help="train with DDP (one torchrun per node)",
-        description="Train with DDP, one torchrun per node. Every training option is a "
-        "TrainConfig field; only the options given override its defaults (or --config).",
-    )
+    train = _command(sub, "train")
     launch = train.add_argument_group("launch")
     launch.add_argument(
         "--config",
@@ -133,8 +163,37 @@ SLURM_HELP = {
     "gpus_per_node": "GPUs per node (sbatch --gpus-per-node)",
     "sbatch_args": "one extra sbatch argument, verbatim (repeat: --sbatch-arg=--requeue)",
 }
+# ``ddpnb submit``: the worker as a Slurm job (submit_slurm's keywords).
+SUBMIT_HELP = {
+    "nproc_per_node": "processes per node, usually one per GPU",
+    **SLURM_HELP,
+    "python": "the nodes' interpreter (default: this one's path)",
+    "max_restarts": LAUNCH_HELP["max_restarts"],
+    "resume": LAUNCH_HELP["resume"],
+    "overwrite": LAUNCH_HELP["overwrite"],
+}
+# ``ddpnb check-hosts`` (check_hosts' keywords).
+CHECK_HOSTS_HELP = {
+    "ssh_config": HOSTS_HELP["ssh_config"],
+    "ssh_options": HOSTS_HELP["ssh_options"],
+    "python": HOSTS_HELP["python"],
+    "nproc_per_node": LAUNCH_HELP["nproc_per_node"],
+    "master_addr": LAUNCH_HELP["master_addr"],
+    "master_port": "node 0's rendezvous port to prove",
+}
 # Options whose flag is not simply --name-with-dashes (repeatable ones are singular).
 FLAGS = {"ssh_options": "--ssh-option", "sbatch_args": "--sbatch-arg", "time": "--time"}
+
+
+def _options(group, fn, helps: dict[str, str]) -> None:
+    """One option per keyword of ``fn`` named in ``helps`` (see _option)."""
+    for name, help_ in helps.items():
+        _option(group, fn, name, help_)
+
+
+def _keywords(args: argparse.Namespace, names) -> dict[str, Any]:
+    """Those options as keyword arguments: each option's dest is its keyword's name."""
+    return {name: getattr(args, name) for name in names}
 
 
 def _option(group, fn, name: str, help_: str) -> None:
@@ -165,17 +224,15 @@ def launch_options(parser: argparse.ArgumentParser) -> None:
     """launch()'s keywords as options: the launch, and real hosts over SSH."""
     from .launch import launch
 
-    group = parser.add_argument_group("launch (torchrun's names)")
-    for name, help_ in LAUNCH_HELP.items():
-        _option(group, launch, name, help_)
-    group = parser.add_argument_group("real hosts over SSH (one node per host)")
-    for name, help_ in HOSTS_HELP.items():
-        _option(group, launch, name, help_)
+    _options(parser.add_argument_group("launch (torchrun's names)"), launch, LAUNCH_HELP)
+    _options(
+        parser.add_argument_group("real hosts over SSH (one node per host)"), launch, HOSTS_HELP
+    )
 
 
 def _launch_kwargs(args: argparse.Namespace, default_nnodes: int | None = None) -> dict:
     """The keywords of launch() from a command line made by launch_options()."""
-    kwargs = {name: getattr(args, name) for name in (*LAUNCH_HELP, *HOSTS_HELP)}
+    kwargs = _keywords(args, (*LAUNCH_HELP, *HOSTS_HELP))
     env = {}
     for item in kwargs["env"]:
         key, sep, value = item.partition("=")
@@ -191,15 +248,7 @@ def _launch_kwargs(args: argparse.Namespace, default_nnodes: int | None = None) 
 def _run_parser(sub) -> argparse.ArgumentParser:
     from .slurm import submit_slurm
 
-    run = sub.add_parser(
-        "run",
-        help="run your own torchrun script with DDP (simulated nodes, --hosts, or --slurm)",
-        usage="ddpnb run [OPTIONS] SCRIPT [SCRIPT_ARGS...]",
-        description="Run any torchrun script, torchrun's way: options first, then the script; "
-        "everything after the script goes to it unchanged. Simulated nodes on this machine "
-        "by default, real hosts with --hosts, a Slurm batch job with --slurm. The run "
-        "directory is the script's working directory on every node.",
-    )
+    run = _command(sub, "run", usage="ddpnb run [OPTIONS] SCRIPT [SCRIPT_ARGS...]")
     run.add_argument("--run-dir", help="default: runs/<script name without .py>")
     run.add_argument(
         "--file",
@@ -213,8 +262,7 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     slurm.add_argument(
         "--slurm", action="store_true", help="submit as a Slurm batch job and follow it"
     )
-    for name, help_ in SLURM_HELP.items():
-        _option(slurm, submit_slurm, name, help_)
+    _options(slurm, submit_slurm, SLURM_HELP)
     slurm.add_argument("--detach", action="store_true", help="with --slurm: return once submitted")
     run.add_argument("script", metavar="SCRIPT", help="the torchrun script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS")
@@ -227,26 +275,17 @@ def _run_script(args: argparse.Namespace) -> int:
     script = Script(args.script, args.script_args, args.file)
     run_dir = args.run_dir or str(Path("runs") / Path(args.script).stem)
     kwargs = _launch_kwargs(args)
-    with _StopSignals():  # SIGTERM/SIGHUP stop every process of the run, as Ctrl-C does
-        if args.slurm:
-            job = _submit_script(script, run_dir, args, kwargs)
-        else:
-            from .launch import launch
+    if args.slurm:
+        return _submit_script(script, run_dir, args, kwargs)
+    from .launch import launch
 
-            job = launch(script, run_dir, progress="text", **kwargs)
-    if args.slurm and args.detach:
-        print(
-            f"submitted Slurm job {job.job_id}; follow it with: ddpnb attach {job.run_dir}; "
-            f"cancel it with: scancel {job.job_id}"
-        )
-    else:
-        print(f"run directory: {job.run_dir}")
+    with _StopSignals():  # SIGTERM/SIGHUP stop every process of the run, as Ctrl-C does
+        job = launch(script, run_dir, progress="text", **kwargs)
+    print(f"run directory: {job.run_dir}")
     return 0
 
 
-def _submit_script(script, run_dir: str, args: argparse.Namespace, kwargs: dict):
-    from .slurm import submit_slurm
-
+def _submit_script(script, run_dir: str, args: argparse.Namespace, kwargs: dict) -> int:
     local_only = ("hosts", "ssh_config", "remote_run_dir", "master_addr", "master_port")
     given = [n for n in local_only if kwargs[n]] + (["ssh_option"] if kwargs["ssh_options"] else [])
     if given:
@@ -254,43 +293,18 @@ def _submit_script(script, run_dir: str, args: argparse.Namespace, kwargs: dict)
             f"--{given[0].replace('_', '-')} does not apply with --slurm: Slurm picks the nodes "
             "and the first one hosts the rendezvous."
         )
-    return submit_slurm(
-        script,
-        run_dir,
-        nnodes=kwargs["nnodes"] or 2,
-        nproc_per_node=kwargs["nproc_per_node"],
-        max_restarts=kwargs["max_restarts"],
-        resume=kwargs["resume"],
-        overwrite=kwargs["overwrite"],
-        env=kwargs["env"],
-        python=kwargs["python"],
-        wait=not args.detach,
-        progress="text",
-        **{name: getattr(args, name) for name in SLURM_HELP},
-    )
+    # launch()'s options that submit_slurm() takes too (not --rdzv-timeout: Slurm's default)
+    shared = ("nproc_per_node", "max_restarts", "resume", "overwrite", "env", "python")
+    keywords = {name: kwargs[name] for name in shared} | _keywords(args, SLURM_HELP)
+    return _slurm_job(script, run_dir, kwargs["nnodes"] or 2, args.detach, keywords)
 
 
 def _check_hosts_parser(sub) -> argparse.ArgumentParser:
     from .remote import check_hosts
 
-    check = sub.add_parser(
-        "check-hosts",
-        help="prove real hosts can run a job: logins, torch, the network (exit 1 on problems)",
-        description="Ask every host (login, interpreter, torch) and prove the network: node 0's "
-        "address and port from every host, every pair on the ports the collectives use, each "
-        "host's interface toward node 0. Starts no training. Exit 0: ready; 1: problems, each "
-        "named with its fix; 2: bad arguments.",
-    )
+    check = _command(sub, "check-hosts")
     check.add_argument("--hosts", required=True, type=lambda t: [h for h in t.split(",") if h])
-    for name, help_ in {
-        "ssh_config": HOSTS_HELP["ssh_config"],
-        "ssh_options": HOSTS_HELP["ssh_options"],
-        "python": HOSTS_HELP["python"],
-        "nproc_per_node": LAUNCH_HELP["nproc_per_node"],
-        "master_addr": LAUNCH_HELP["master_addr"],
-        "master_port": "node 0's rendezvous port to prove",
-    }.items():
-        _option(check, check_hosts, name, help_)
+    _options(check, check_hosts, CHECK_HOSTS_HELP)
     check.add_argument(
         "--data", help="also check this dataset (the tutorial worker's) on every host"
     )
@@ -307,16 +321,7 @@ def _check_hosts(args: argparse.Namespace) -> int:
 
         config = TrainConfig(data_dir=args.data)
     try:
-        rows = check_hosts(
-            config,
-            args.hosts,
-            nproc_per_node=args.nproc_per_node,
-            ssh_config=args.ssh_config,
-            ssh_options=args.ssh_options,
-            python=args.python,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
-        )
+        rows = check_hosts(config, args.hosts, **_keywords(args, CHECK_HOSTS_HELP))
     except HostError as e:
         print(f"ddpnb check-hosts: {e}", file=sys.stderr)
         return 1
@@ -327,62 +332,37 @@ def _check_hosts(args: argparse.Namespace) -> int:
 
 
 def _submit_parser(sub) -> argparse.ArgumentParser:
-    submit = sub.add_parser(
-        "submit",
-        help="train as a Slurm batch job (sbatch), followed until it ends",
-        description="Submit a run with sbatch: one torchrun per node (srun), the c10d "
-        "rendezvous on the first node. RUN_DIR must be on a filesystem every node shares. "
-        "Ctrl-C cancels the job (scancel); --detach leaves it running (ddpnb attach RUN_DIR).",
-    )
+    submit = _command(sub, "submit")
     from .slurm import submit_slurm
 
     job = submit.add_argument_group("Slurm job")
     job.add_argument("--config", metavar="FILE", help="start from a saved config.json")
     job.add_argument("--run-dir", required=True, help="on a filesystem every node shares")
     job.add_argument("--nnodes", type=int, required=True)
-    for name, help_ in {
-        "nproc_per_node": "processes per node, usually one per GPU",
-        **SLURM_HELP,
-        "python": "the nodes' interpreter (default: this one's path)",
-        "max_restarts": LAUNCH_HELP["max_restarts"],
-        "resume": LAUNCH_HELP["resume"],
-        "overwrite": LAUNCH_HELP["overwrite"],
-    }.items():
-        _option(job, submit_slurm, name, help_)
+    _options(job, submit_slurm, SUBMIT_HELP)
     job.add_argument("--detach", action="store_true", help="return once submitted")
     _config_options(submit.add_argument_group("training (TrainConfig fields)"))
     return submit
 
 
 def _submit(args: argparse.Namespace) -> int:
+    config = train_config(args)
+    return _slurm_job(config, args.run_dir, args.nnodes, args.detach, _keywords(args, SUBMIT_HELP))
+
+
+def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) -> int:
+    """``submit`` and ``run --slurm``: submit_slurm(), followed as text unless detached."""
     from .slurm import submit_slurm
 
-    config = train_config(args)
     with _StopSignals():  # SIGTERM/SIGHUP cancel the job as Ctrl-C does
-        job = submit_slurm(
-            config,
-            args.run_dir,
-            nnodes=args.nnodes,
-            nproc_per_node=args.nproc_per_node,
-            gpus_per_node=args.gpus_per_node,
-            partition=args.partition,
-            time=args.time,
-            account=args.account,
-            sbatch_args=args.sbatch_args,
-            python=args.python,
-            max_restarts=args.max_restarts,
-            resume=args.resume,
-            overwrite=args.overwrite,
-            wait=not args.detach,
-            progress="text",
-        )
-    if args.detach:
+        job = submit_slurm(what, run_dir, nnodes, wait=not detach, progress="text", **keywords)
+    if detach:
         print(
             f"submitted Slurm job {job.job_id}; follow it with: ddpnb attach {job.run_dir} "
             f"(or squeue -j {job.job_id}); cancel it with: scancel {job.job_id}"
         )
     else:
-        print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
+        print(f"run directory: {job.run_dir}")
     return 0
 
 

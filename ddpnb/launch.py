@@ -52,29 +52,16 @@ class Starter(Protocol):
         """Place the files, start every node; the Job that follows them."""
 
 
-def run(
-    what: Script | TrainConfig | Mapping[str, Any],
-    run_dir: str | os.PathLike,
-    starter: Starter,
-    topology: Topology,
-    *,
-    resume: bool,
-    overwrite: bool,
-    progress: str,
-    env: Mapping[str, str] | None,
-    wait: bool,
-) -> Job:
+def run(plan: Plan, run_dir: str | os.PathLike, starter: Starter, *, wait: bool) -> Job:
     """The pipeline every launch goes through; nothing starts before every check passed."""
-    plan = Plan(what, topology, progress=progress, env=env)
-    plan.resume, plan.overwrite = resume, overwrite
     plan.script.check()
     if plan.config is not None:
-        plan.config = check_run(plan.config, topology, here=starter.data_here)
+        plan.config = check_run(plan.config, plan.topology, here=starter.data_here)
         plan.script = worker_script(plan.config)  # its config.json holds the checked paths
     plan.payload = plan.script.payload()  # read once: the run directory's and the hosts' files
     starter.check(plan)  # nothing written yet
     plan.run_dir = prepare_run_dir(
-        run_dir, plan.payload, plan.config, resume=resume, overwrite=overwrite
+        run_dir, plan.payload, plan.config, resume=plan.resume, overwrite=plan.overwrite
     ).resolve()
     plan.topology = starter.preflight(plan)
     warn_if_cuda_initialised()
@@ -166,17 +153,8 @@ def launch(
     if hosts is None:
         topology, nodes = check_launch(topology, master_port, local_nodes)
         starter = Local(nodes)
-    return run(
-        what,
-        run_dir,
-        starter,
-        topology,
-        resume=resume,
-        overwrite=overwrite,
-        progress=progress,
-        env=env,
-        wait=wait,
-    )
+    plan = Plan(what, topology, progress=progress, env=env, resume=resume, overwrite=overwrite)
+    return run(plan, run_dir, starter, wait=wait)
 
 
 class Local:

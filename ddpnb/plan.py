@@ -27,6 +27,8 @@ class Plan:
         *,
         progress: str,
         env: Mapping[str, str] | None,
+        resume: bool = False,
+        overwrite: bool = False,
     ) -> None:
         if isinstance(what, Script):
             self.script, self.config = what, None
@@ -47,7 +49,7 @@ class Plan:
             raise ConfigError(str(e)) from None
         self.run_dir = Path()
         self.payload: dict[str, bytes] = {}  # the script's files by name, read once by run()
-        self.resume = self.overwrite = False
+        self.resume, self.overwrite = resume, overwrite  # what to do with a run already there
 
     def node_env(self, node_dir: str, procs_on_host: int, cores: int | None = None) -> dict:
         """The run's variables for one node's agent (never this process's own environment)."""

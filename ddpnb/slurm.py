@@ -44,6 +44,7 @@ from .job import Job
 from .launch import run
 from .log import logger
 from .metrics import read_progress
+from .plan import Plan
 from .preflight import check_progress
 from .rundir import WORKER_NAME
 from .script import MESHCHECK_NAME, Script
@@ -491,17 +492,8 @@ def submit_slurm(
     )
     # The first node and the port are the job's, known once it runs: placeholders here.
     topology = Topology(nnodes, nproc_per_node, FIRST_NODE, 1, rdzv_timeout, max_restarts)
-    return run(
-        what,
-        Path(run_dir).resolve(),
-        batch,
-        topology,
-        resume=resume,
-        overwrite=overwrite,
-        progress=progress,
-        env=env,
-        wait=wait,
-    )
+    plan = Plan(what, topology, progress=progress, env=env, resume=resume, overwrite=overwrite)
+    return run(plan, Path(run_dir).resolve(), batch, wait=wait)
 
 
 class Batch:
