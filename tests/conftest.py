@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -19,6 +20,16 @@ import ddpnb
 TRAIN_PER_CLASS = 12
 VAL_COUNTS = [4, 4, 4, 4, 4, 4, 4, 3, 3, 3]
 TINY = dict(image_size=16, epochs=2, batch_size=8, lr=0.05, timeout_seconds=30)
+
+
+def pytest_configure(config):
+    """Ctrl-C means KeyboardInterrupt here and in every process the tests start.
+
+    A shell starts a background job (``make test &``) with SIGINT ignored, and every child
+    inherits that, so the interrupt tests would see no interrupt at all. A handler, unlike
+    SIG_IGN, is not inherited: the launchers the tests start get Python's default again.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def make_imagefolder(
