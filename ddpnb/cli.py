@@ -144,7 +144,7 @@ LAUNCH_HELP = {
     "master_addr": "node 0's address (default 127.0.0.1, or with --hosts the first host's)",
     "master_port": "node 0's rendezvous port (default: a free one)",
     "max_restarts": "torchrun restarts of a failed node's workers",
-    "rdzv_timeout": "seconds the nodes have to join",
+    "rdzv_timeout": "seconds the nodes have to join (default: 60, or 300 for a Slurm job)",
     "resume": "continue the run in --run-dir from its checkpoint",
     "overwrite": "replace the run in --run-dir",
     "env": "KEY=VALUE added to every node's environment (repeat)",
@@ -183,6 +183,8 @@ CHECK_HOSTS_HELP = {
 }
 # Options whose flag is not simply --name-with-dashes (repeatable ones are singular).
 FLAGS = {"ssh_options": "--ssh-option", "sbatch_args": "--sbatch-arg", "time": "--time"}
+# Options left unset unless given: the backend that runs picks the default (Slurm's is longer).
+BACKEND_DEFAULTS = ("rdzv_timeout",)
 
 
 def _options(group, fn, helps: dict[str, str]) -> None:
@@ -202,7 +204,7 @@ def _option(group, fn, name: str, help_: str) -> None:
 
     param = inspect.signature(fn).parameters[name]
     flag = FLAGS.get(name, "--" + name.replace("_", "-"))
-    default = param.default
+    default = None if name in BACKEND_DEFAULTS else param.default
     kw: dict[str, Any] = {"dest": name, "help": help_}
     annotation = str(param.annotation)
     if isinstance(default, bool):
@@ -240,6 +242,9 @@ def _launch_kwargs(args: argparse.Namespace, default_nnodes: int | None = None) 
             raise ConfigError(f"--env takes KEY=VALUE, got {item!r}.")
         env[key] = value
     kwargs["env"] = env
+    for name in BACKEND_DEFAULTS:
+        if kwargs[name] is None:
+            del kwargs[name]
     if kwargs["nnodes"] is None and not kwargs["hosts"]:
         kwargs["nnodes"] = default_nnodes
     return kwargs
@@ -293,9 +298,18 @@ def _submit_script(script, run_dir: str, args: argparse.Namespace, kwargs: dict)
             f"--{given[0].replace('_', '-')} does not apply with --slurm: Slurm picks the nodes "
             "and the first one hosts the rendezvous."
         )
-    # launch()'s options that submit_slurm() takes too (not --rdzv-timeout: Slurm's default)
-    shared = ("nproc_per_node", "max_restarts", "resume", "overwrite", "env", "python")
-    keywords = {name: kwargs[name] for name in shared} | _keywords(args, SLURM_HELP)
+    # launch()'s options that submit_slurm() takes too
+    shared = (
+        "nproc_per_node",
+        "max_restarts",
+        "rdzv_timeout",
+        "resume",
+        "overwrite",
+        "env",
+        "python",
+    )
+    keywords = {name: kwargs[name] for name in shared if name in kwargs}  # given, or each default
+    keywords |= _keywords(args, SLURM_HELP)
     return _slurm_job(script, run_dir, kwargs["nnodes"] or 2, args.detach, keywords)
 
 

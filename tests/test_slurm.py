@@ -398,7 +398,7 @@ OWN = Path(__file__).with_name("own")
 def test_your_own_script_runs_as_a_batch_job(slurm, tmp_path):
     # The command line: ddpnb run --slurm, options first, the script, then its arguments.
     cli = subprocess.run(
-        [sys.executable, "-m", "ddpnb", "run", "--slurm", "--nnodes", "2",
+        [sys.executable, "-m", "ddpnb", "run", "--slurm", "--nnodes", "2", "--rdzv-timeout", "120",
          "--run-dir", str(tmp_path / "own run"), "--file", str(OWN / "datautils.py"),
          str(OWN / "linear.py"), "2", "a b 'c'"],
         capture_output=True, text=True, timeout=300,
@@ -411,6 +411,7 @@ def test_your_own_script_runs_as_a_batch_job(slurm, tmp_path):
     assert [r["epoch"] for r in job.metrics.epochs] == [1, 2]  # reported by the script
     assert (run / "model.pt").is_file()  # what rank 0 wrote in its working directory
     assert "args ['2', \"a b 'c'\"]" in (run / "logs" / "node-0.log").read_text()
+    assert "join_timeout=120," in (run / "train.sbatch").read_text()  # --rdzv-timeout reached it
     # The job's first step proved the network and chose each node's interface.
     assert "reaches node 0 and all 1 peer(s)" in job.batch_log().read_text()
     assert sorted(p.name for p in (run / "logs").glob("net-env-*.sh")) == [
