@@ -206,7 +206,7 @@ def wrap_model(model: nn.Module, cfg: dict, me: Rank, device: torch.device) -> n
         **no_forward_buffer_sync(),
     )
     # How each gradient bucket is averaged (comm_hook). On one host with gloo: through
-    # shared memory instead of gloo's TCP loopback, the same sums, about 1.09x the images/s
+    # shared memory instead of gloo's TCP loopback, the same sums, about 1.15x the images/s
     # on 2 CPU cores (bench/run.py, 0). Elsewhere the backend's all-reduce, as plain DDP.
     ddp.register_comm_hook(COMM, gradient_hook(cfg, me, device))  # Part 2: chosen, timed
     return ddp
