@@ -92,6 +92,21 @@ class RunStalled(RunFailed):
     """The run had started, then stopped making progress (a rank or node stopped answering)."""
 
 
+class RunHung(RunFailed):
+    """No rank made progress for ``hang_timeout`` seconds, every one waiting in a collective.
+
+    ``stacks`` (a :class:`ddpnb.hang.Stacks`) holds where each rank waited: ``print(e.stacks)``.
+    """
+
+    def __init__(self, message: str, *, stacks=None, **kw: Any) -> None:
+        self.stacks = stacks
+        super().__init__(message, **kw)
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return f"{text}\n\n{self.stacks.per_rank()}" if self.stacks is not None else text
+
+
 class NodeLost(RunFailed):
     """A node stopped answering (its agent killed, its host down, or the network cut).
 

@@ -24,13 +24,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .agent import descendants
-from .diagnosis import check_stalled, diagnose_failure, log_tail
-from .errors import RunFailed
+from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
+from .errors import RunFailed, RunHung
+from .hang import Stacks, Verdict, read_ranks, stacks, verdict
 from .metrics import RunMetrics, load_metrics, read_progress
 from .progress import make_progress
 from .topology import Topology
 
 POLL_SECONDS = 0.2
+WATCH_SECONDS = 1.0  # how often the hang watch reads the ranks' snapshots
+HANG_DEFAULT = 60.0  # the quiet time a verdict needs when the watch has no limit of its own
 STOP_GRACE_SECONDS = 4.0
 WORKER_LINE = re.compile(rb"^\[rank\d+\]", re.M)  # torchrun's prefix on a worker's output
 
@@ -227,6 +230,8 @@ class Job:
         backend: Backend,
         *,
         progress: str = "none",
+        hang_timeout: float | None = None,
+        on_hang: str = "stop",
         started_at: float | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -243,6 +248,11 @@ class Job:
         self.ended_at: float | None = None
         self.error: BaseException | None = None
         self._ended = False
+        self.hang_timeout, self.on_hang = hang_timeout, on_hang
+        self.waiting: Verdict | None = None  # the hang watch's latest verdict, when not "ok"
+        self._watched = 0.0  # when the hang watch last looked
+        self._output: tuple = ()  # the node logs' sizes and the progress file's time, last seen
+        self._output_moved = time.time()
         _live_jobs.add(self)
 
     # torchrun's names, read from the topology
@@ -332,6 +342,23 @@ class Job:
         """PIDs of this run's processes on this machine that are still alive."""
         return self.backend.pids()
 
+    def stacks(self) -> Stacks:
+        """Where every rank is now: the user's line and what it waits in, torch's frames folded.
+
+        Read from the snapshots each worker writes every few seconds (``ddpnb.watch``), on
+        any backend. Raises :class:`~ddpnb.errors.RunDirError` when the run has ended or
+        the watch is off (``hang_timeout=None``), :class:`~ddpnb.errors.HostError` when a
+        host cannot be reached.
+
+        Example
+        -------
+        >>> print(job.stacks())   # doctest: +SKIP
+        rank 0 waits in barrier at train.py:21 (dist.barrier())  [node 0 on gpu1, pid 4242]
+        """
+        self.backend.sync()
+        getattr(self.backend, "sync_stacks", lambda force: None)(True)
+        return stacks(self.run_dir, self.hang_timeout or HANG_DEFAULT)
+
     # -- control -------------------------------------------------------------------
 
     def stop(self) -> None:
@@ -389,11 +416,50 @@ class Job:
             return True
         if codes and all(rc == 0 for rc in codes.values()):
             return True
-        if self.backend.watch_stalls and self.backend.pending() is None:
+        if self.backend.pending() is None:
+            self.error = self._watch_hang()
+        if self.error is None and self.backend.watch_stalls and self.backend.pending() is None:
             self.error = self._check_stalled()
         return self.error is not None
 
     # -- failures ---------------------------------------------------------------------
+
+    def _watch_hang(self) -> RunFailed | None:
+        """RunHung when no rank has moved for hang_timeout and they all wait in collectives."""
+        now = time.time()
+        if self.hang_timeout is None or now - self._watched < WATCH_SECONDS:
+            return None
+        self._watched = now
+        getattr(self.backend, "sync_stacks", lambda force: None)(False)
+        ranks = read_ranks(self.run_dir, since=self.started_at)
+        live = [r.still for r in ranks if r.state == "running"]
+        if not live:
+            self.waiting = None
+            return None
+        quiet = min(min(live), now - self._quiet_floor())
+        found = verdict(ranks, quiet, self.hang_timeout)
+        self.waiting = found if found.kind != "ok" else None
+        if found.kind != "hang" or self.on_hang != "stop":
+            return None
+        first = next(r for r in ranks if r.state == "running")
+        return RunHung(
+            f"{found.message} The run was stopped (on_hang='stop'; on_hang='wait' keeps it "
+            f"waiting).{resume_hint(self.run_dir)}",
+            stacks=Stacks(self.run_dir, ranks, found),
+            host=None if self.hosts is None else self.hosts[first.node],
+            node_rank=first.node,
+            global_rank=first.rank,
+        )
+
+    def _quiet_floor(self) -> float:
+        """When the run last printed a line or reported progress (output counts as progress)."""
+        seen = (
+            tuple(_size(p) for p in self.log_paths.values()),
+            read_progress(self.run_dir).get("time"),
+        )
+        if seen != self._output:
+            self._output, self._output_moved = seen, time.time()
+        return self._output_moved
 
     def _check_stalled(self) -> RunFailed | None:
         if self.config is None and not read_progress(self.run_dir):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,9 +21,10 @@ from typing import Any, Protocol
 from .agent import LIFELINE_ENV
 from .config import TrainConfig
 from .errors import ConfigError, LaunchError
+from .hang import WATCH_DIR, hooks_payload
 from .job import Job, Processes, open_lifeline
 from .log import logger
-from .plan import FIRST_HOST, Plan
+from .plan import FIRST_HOST, HANG_TIMEOUT, Plan
 from .preflight import (
     check_launch,
     check_run,
@@ -65,7 +67,10 @@ def run(plan: Plan, run_dir: str | os.PathLike, starter: Starter, *, wait: bool)
     ).resolve()
     plan.topology = starter.preflight(plan)
     warn_if_cuda_initialised()
+    plan.payload.update(hooks_payload())  # ddpnb's own files: replaced at every launch
+    shutil.rmtree(plan.run_dir / WATCH_DIR, ignore_errors=True)  # an earlier launch's stacks
     for name, data in plan.payload.items():
+        (plan.run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (plan.run_dir / name).write_bytes(data)
     (plan.run_dir / "logs").mkdir(exist_ok=True)
     job = starter.start(plan)
@@ -87,6 +92,8 @@ def launch(
     overwrite: bool = False,
     progress: str = "auto",
     env: Mapping[str, str] | None = None,
+    hang_timeout: float | None = HANG_TIMEOUT,
+    on_hang: str = "stop",
     local_nodes: Iterable[int] | None = None,
     hosts: Sequence[str] | None = None,
     ssh_config: str | os.PathLike | None = None,
@@ -107,7 +114,11 @@ def launch(
     the hosts' interpreter, default this one's path; ``remote_run_dir``: the run
     directory on hosts that do not share this one); the first host is node 0 and
     ``master_addr`` defaults to its address. ``env`` is added to every node's
-    environment. The run directory is the script's working directory on every node;
+    environment. When no rank has moved for ``hang_timeout`` seconds and ranks wait in
+    a collective, the run hangs: ``on_hang="stop"`` ends it with
+    :class:`~ddpnb.errors.RunHung` naming every rank's line (checkpoint kept), ``"wait"``
+    shows it and waits until you stop it; ``hang_timeout=None`` turns the watch off
+    (``job.stacks()`` needs it). The run directory is the script's working directory on every node;
     what node 0 writes there is here when the run ends. Everything is validated before
     any process starts.
 
@@ -153,7 +164,16 @@ def launch(
     if hosts is None:
         topology, nodes = check_launch(topology, master_port, local_nodes)
         starter = Local(nodes)
-    plan = Plan(what, topology, progress=progress, env=env, resume=resume, overwrite=overwrite)
+    plan = Plan(
+        what,
+        topology,
+        progress=progress,
+        env=env,
+        resume=resume,
+        overwrite=overwrite,
+        hang_timeout=hang_timeout,
+        on_hang=on_hang,
+    )
     return run(plan, run_dir, starter, wait=wait)
 
 
@@ -187,7 +207,11 @@ class Local:
         lifeline_read, nodes.lifeline = open_lifeline()
         env = {
             **os.environ,
-            **plan.node_env(str(run_dir), len(self.nodes) * topology.nproc_per_node),
+            **plan.node_env(
+                str(run_dir),
+                len(self.nodes) * topology.nproc_per_node,
+                pythonpath=os.environ.get("PYTHONPATH"),
+            ),
             LIFELINE_ENV: str(lifeline_read),
         }
         try:
@@ -215,7 +239,7 @@ class Local:
             raise
         finally:
             os.close(lifeline_read)  # the agents hold it now
-        return Job(run_dir, plan.script, plan.config, topology, nodes, progress=plan.progress)
+        return Job(run_dir, plan.script, plan.config, topology, nodes, **plan.follow)
 
 
 def train_single(

@@ -1,8 +1,8 @@
 """Watch a DDP script from inside its worker processes, without editing it.
 
-``ddpnb check-script`` loads this file into every worker torchrun starts: a
-``sitecustomize.py`` on ``PYTHONPATH`` imports it (as ``_ddpnb_observe``) and calls
-:func:`activate` before the script's first line. When the script imports torch, hooks
+``ddpnb check-script`` loads this file into every worker torchrun starts: the run's
+``.ddpnb/sitecustomize.py`` (``ddpnb.site_hooks``) imports it (as ``ddpnb_observe``) and
+calls :func:`activate` before the script's first line. When the script imports torch, hooks
 record what a DDP run's correctness depends on, one JSON object per line in
 ``$DDPNB_OBSERVE/rank-<RANK>.jsonl``:
 
@@ -29,10 +29,9 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
-import importlib.abc
-import importlib.util
 import inspect
 import json
+import linecache
 import os
 import sys
 import threading
@@ -50,6 +49,26 @@ MAX_INDICES = 200_000  # indices kept per pass (beyond that, only counted)
 CHECKSUM_STEPS = (1, 2)
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_object", "gather", "gather_object")
+# Every collective the ranks must call in the same order (point-to-point send/recv excepted).
+ORDERED = (
+    *COLLECTIVES,
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "scatter",
+    "scatter_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "monitored_barrier",
+)
+MAX_SEQUENCE = 20_000  # collectives kept per rank, in order
+# What DistributedDataParallel issues for the script, as the sequence names it.
+DDP_INIT = "DDP's parameter broadcast (wrapping the model)"
+DDP_BUFFERS = "DDP's buffer broadcast (forward)"
+DDP_GRADIENTS = "DDP's gradient all-reduce (backward)"
 
 _state = None  # the _Observer of this process, once activated
 
@@ -65,10 +84,6 @@ def activate() -> None:
         return  # a process the worker started (a DataLoader worker, a subprocess)
     os.environ[OWNER_ENV] = str(os.getpid())
     _state = _Observer(folder)
-    if "torch" in sys.modules:
-        _state.install(sys.modules["torch"])
-    else:
-        sys.meta_path.insert(0, _AfterTorch())
     threading.Thread(target=_state.watch, name="ddpnb-observe", daemon=True).start()
     atexit.register(_state.finish, "exit")
     _state.previous_excepthook = sys.excepthook
@@ -76,24 +91,10 @@ def activate() -> None:
     _patch_environ()
 
 
-class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Installs the hooks right after ``import torch`` finishes (the script's own import)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _state.install(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
+def install(torch) -> None:
+    """Hook torch once the script imported it (the sitecustomize calls this in the main thread)."""
+    if _state is not None:
+        _state.install(torch)
 
 
 class _Pass:
@@ -188,6 +189,9 @@ class _Observer:
         self.stop_seen: float | None = None
         self.finished = False
         self.ddp_modules: list = []
+        self.sequence: list[list] = []  # [collective, "file:line"] in the order this rank called them
+        self.in_collective = 0  # a collective calling another (all_gather_object) counts once
+        self.backward_syncs = 0  # DDP forwards whose backward will all-reduce gradients
         self.previous_excepthook = sys.excepthook
         self.torch = None
         self.steps_into_second = int(os.environ.get(STEPS_ENV, "2"))
@@ -221,7 +225,9 @@ class _Observer:
     def _user_file(self, filename: str) -> str | None:
         if filename not in self.user_files:
             path = os.path.abspath(filename)
-            mine = path.startswith(self.user_dir) and not path.endswith("ddpnb_reporting.py")
+            ours = path.startswith(self.user_dir + ".ddpnb" + os.sep)  # ddpnb's hooks
+            ours = ours or path.endswith("ddpnb_reporting.py")
+            mine = path.startswith(self.user_dir) and not ours
             self.user_files[filename] = path[len(self.user_dir) :] if mine else None
         return self.user_files[filename]
 
@@ -344,6 +350,12 @@ class _Observer:
         self.finish(reason)
         os._exit(0)
 
+    def called(self, collective: str, where: dict | None) -> None:
+        """One collective this rank called (or DDP called for it), in order."""
+        if len(self.sequence) < MAX_SEQUENCE:
+            at = f"{where['file']}:{where['line']}" if where else None
+            self.sequence.append([collective, at, self.steps])
+
     def finish(self, reason: str) -> None:
         with self.lock:
             if self.finished or os.getpid() != self.pid:
@@ -351,6 +363,8 @@ class _Observer:
             for p in self.open_passes.values():
                 self.write(p.record())
             self.open_passes.clear()
+            full = len(self.sequence) >= MAX_SEQUENCE
+            self.write({"kind": "collectives", "calls": self.sequence, "truncated": full})
             self.write({"kind": "end", "reason": reason, "steps": self.steps})
             self.finished = True
             self.file.flush()
@@ -367,7 +381,22 @@ class _Observer:
                 self.request_stop(None, f"time bound of {self.timeout:g} s")
                 self.stop_seen = now
             if self.stop_seen is not None and now - self.stop_seen > GRACE_SECONDS:
+                self.write({"kind": "blocked", "stack": self.main_stack(), "steps": self.steps})
                 self.end("ended by the check's watchdog (another rank had stopped)")
+
+    def main_stack(self) -> list[list]:
+        """Where the main thread is: [file, line, function, source, mine] per frame, outermost first."""
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        out = []
+        while frame is not None:
+            name = self._user_file(frame.f_code.co_filename)
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()[:120]
+            out.append(
+                [name or frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, line]
+                + [name is not None]
+            )
+            frame = frame.f_back
+        return out[::-1]
 
     def excepthook(self, kind, value, tb) -> None:
         if os.path.exists(os.path.join(self.folder, STOP_FILE)):
@@ -398,7 +427,7 @@ class _Observer:
         """Hook torch (once the script imported it); a failure leaves the script as it was."""
         self.torch = torch
         hooks = (_hook_init, _hook_ddp, _hook_loader, _hook_loader_iter, _hook_sampler)
-        for hook in (*hooks, _hook_steps, _hook_save, _hook_collectives):
+        for hook in (*hooks, _hook_steps, _hook_save, _hook_collectives, _hook_spawn):
             try:
                 hook(self, torch)
             except Exception as e:  # an older or newer torch: observe what can be observed
@@ -466,6 +495,7 @@ def _hook_ddp(obs: _Observer, torch) -> None:
 
     def make(original):
         def __init__(self, module, *args, **kwargs):
+            obs.called(DDP_INIT, obs.where())
             original(self, module, *args, **kwargs)
             obs.ddp_modules.append(self)
             ids = getattr(self, "device_ids", None)
@@ -475,7 +505,34 @@ def _hook_ddp(obs: _Observer, torch) -> None:
 
         return __init__
 
+    def make_forward(original):
+        def forward(self, *args, **kwargs):
+            if torch.is_grad_enabled() and self.require_backward_grad_sync:
+                obs.backward_syncs += 1  # the next backward all-reduces this forward's gradients
+            return original(self, *args, **kwargs)
+
+        return forward
+
+    def make_sync_buffers(original):
+        def _sync_buffers(self, *args, **kwargs):
+            obs.called(DDP_BUFFERS, obs.where())
+            return original(self, *args, **kwargs)
+
+        return _sync_buffers
+
+    def make_backward(original):
+        def backward(*args, **kwargs):
+            if obs.backward_syncs:
+                obs.backward_syncs = 0
+                obs.called(DDP_GRADIENTS, obs.where())
+            return original(*args, **kwargs)
+
+        return backward
+
     _wrap(DDP, "__init__", make)
+    _wrap(DDP, "forward", make_forward)
+    _wrap(DDP, "_sync_buffers", make_sync_buffers)
+    _wrap(torch.autograd, "backward", make_backward)
 
 
 def _dataset_len(dataset) -> int | None:
@@ -631,7 +688,7 @@ def _hook_sampler(obs: _Observer, torch) -> None:
 
 
 def _hook_collectives(obs: _Observer, torch) -> None:
-    """The script's own collectives (all_reduce of metrics...): once per call site and pass."""
+    """The script's own collectives: each call in order, and once per call site and pass."""
     import torch.distributed as dist
 
     seen: set = set()
@@ -640,18 +697,43 @@ def _hook_collectives(obs: _Observer, torch) -> None:
         name = original.__name__
 
         def collective(*args, **kwargs):
+            if obs.in_collective:  # called by another collective (all_gather_object)
+                return original(*args, **kwargs)
             where = obs.where()
+            obs.called(name, where)
             key = (name, str(where), obs.current.id if obs.current else None)
-            if where is not None and key not in seen:
+            if where is not None and key not in seen and name in COLLECTIVES:
                 seen.add(key)
                 obs.write({"kind": "collective", "op": name, "where": where, "pass": key[2]})
-            return original(*args, **kwargs)
+            obs.in_collective += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                obs.in_collective -= 1
 
         return collective
 
-    for name in COLLECTIVES:
+    for name in ORDERED:
         if hasattr(dist, name):
             _wrap(dist, name, make)
+
+
+def _hook_spawn(obs: _Observer, torch) -> None:
+    """torch.multiprocessing.spawn under torchrun: every rank would start ranks of its own."""
+    import torch.multiprocessing as mp
+
+    def make(original):
+        name = original.__name__
+
+        def spawn(*args, **kwargs):
+            obs.write({"kind": "spawn", "call": f"torch.multiprocessing.{name}", "where": obs.where()})
+            obs.request_stop(None, "the script calls torch.multiprocessing.spawn under torchrun")
+            obs.end(f"stopped at torch.multiprocessing.{name}: the script starts ranks of its own")
+
+        return spawn
+
+    for name in ("spawn", "start_processes"):
+        _wrap(mp, name, make)
 
 
 def _hook_steps(obs: _Observer, torch) -> None:

@@ -186,7 +186,7 @@ class Hosts:
             raise
         finally:
             os.close(lifeline_read)
-        return Job(run_dir, plan.script, plan.config, topology, nodes, progress=plan.progress)
+        return Job(run_dir, plan.script, plan.config, topology, nodes, **plan.follow)
 
 
 class SshNodes(Processes):

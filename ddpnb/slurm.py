@@ -44,7 +44,7 @@ from .job import Job
 from .launch import run
 from .log import logger
 from .metrics import read_progress
-from .plan import Plan
+from .plan import HANG_TIMEOUT, Plan
 from .preflight import check_progress
 from .rundir import WORKER_NAME
 from .script import MESHCHECK_NAME, Script
@@ -455,6 +455,8 @@ def submit_slurm(
     max_restarts: int = 0,
     rdzv_timeout: int = 300,
     env: Mapping[str, str] | None = None,
+    hang_timeout: float | None = HANG_TIMEOUT,
+    on_hang: str = "stop",
 ) -> Job:
     """Submit a run as a Slurm batch job (``sbatch``) and follow it like :func:`ddpnb.launch`.
 
@@ -465,7 +467,8 @@ def submit_slurm(
     c10d rendezvous on the first node. ``python`` is the interpreter the nodes run
     (default: this one). With ``sbatch_args=["--requeue"]`` a requeued job resumes from
     its checkpoint; ``max_restarts`` lets torchrun restart failed workers inside the
-    allocation.
+    allocation. ``hang_timeout`` and ``on_hang``: the hang watch, as in :func:`ddpnb.launch`
+    (``"stop"`` cancels the job).
 
     Returns a :class:`~ddpnb.Job` (finished when ``wait``); raises
     :class:`~ddpnb.errors.WorkerFailed` or :class:`SlurmJobEnded` on failure.
@@ -492,7 +495,16 @@ def submit_slurm(
     )
     # The first node and the port are the job's, known once it runs: placeholders here.
     topology = Topology(nnodes, nproc_per_node, FIRST_NODE, 1, rdzv_timeout, max_restarts)
-    plan = Plan(what, topology, progress=progress, env=env, resume=resume, overwrite=overwrite)
+    plan = Plan(
+        what,
+        topology,
+        progress=progress,
+        env=env,
+        resume=resume,
+        overwrite=overwrite,
+        hang_timeout=hang_timeout,
+        on_hang=on_hang,
+    )
     return run(plan, Path(run_dir).resolve(), batch, wait=wait)
 
 
@@ -537,7 +549,7 @@ class Batch:
             marker=token,
             network_check=True,
             batch_log=None,  # on sbatch's command line: the run directory may hold spaces
-            env=plan.env,
+            env=plan.user_env(str(run_dir), os.environ.get("PYTHONPATH")),
         )
         output = f"--output={run_dir / 'logs' / 'slurm-%j.out'}"
         argv = ["sbatch", "--parsable", output, *o["sbatch_args"], str(run_dir / SCRIPT_NAME)]
@@ -559,12 +571,14 @@ class Batch:
             "sbatch": argv,
             "script": plan.script.name,
             "args": list(plan.script.args),
+            "hang_timeout": plan.hang_timeout,
+            "on_hang": plan.on_hang,
         }
         (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        return _job(run_dir, plan.script, plan.config, record, plan.progress, self.env)
+        return _job(run_dir, plan.script, plan.config, record, plan.follow, self.env)
 
 
-def _job(run_dir, script, config, record, progress, env) -> Job:
+def _job(run_dir, script, config, record, follow, env) -> Job:
     job_id = record["job_id"]
     topology = Topology(
         record["nnodes"], record["nproc_per_node"], FIRST_NODE, port_for_job(job_id)
@@ -576,7 +590,7 @@ def _job(run_dir, script, config, record, progress, env) -> Job:
         config,
         topology,
         nodes,
-        progress=progress,
+        **follow,
         started_at=record.get("submitted_at"),
     )
 
@@ -637,5 +651,10 @@ def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto"
     if (run_dir / "config.json").exists() and record.get("script", WORKER_NAME) == WORKER_NAME:
         config = TrainConfig.load(run_dir / "config.json")
     script = Script(run_dir / record.get("script", WORKER_NAME), record.get("args", ()))
-    job = _job(run_dir, script, config, record, check_progress(progress), _slurm_env(extra))
+    follow = {
+        "progress": check_progress(progress),
+        "hang_timeout": record.get("hang_timeout", HANG_TIMEOUT),
+        "on_hang": record.get("on_hang", "stop"),
+    }
+    job = _job(run_dir, script, config, record, follow, _slurm_env(extra))
     return job.wait() if wait else job

@@ -1,0 +1,65 @@
+"""Written by ddpnb as RUN_DIR/.ddpnb/sitecustomize.py: its hooks, then any other sitecustomize.
+
+Python imports ``sitecustomize`` at start-up from ``PYTHONPATH``; ddpnb puts this folder
+there for every worker of a run. It activates ``ddpnb_watch`` (where each rank is: always)
+and ``ddpnb_observe`` (what the script does: only under ``ddpnb check-script``); each does
+nothing unless its variable is set. Once the script imports torch, each gets ``install``
+(called in the main thread). Then the next ``sitecustomize`` on the path runs, as it would
+have without this one. Nothing here may stop the script.
+"""
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_hooks = []
+for _name in ("ddpnb_watch", "ddpnb_observe"):
+    try:
+        _module = importlib.import_module(_name)
+        _module.activate()
+        _hooks.append(_module)
+    except Exception as e:  # never stop the script for ddpnb's sake
+        sys.stderr.write(f"ddpnb: {_name} not loaded: {e!r}\n")
+
+
+def _installed(torch) -> None:
+    for module in _hooks:
+        try:
+            module.install(torch)
+        except Exception as e:
+            sys.stderr.write(f"ddpnb: {module.__name__} could not hook torch: {e!r}\n")
+
+
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    """Calls each hook's ``install`` right after ``import torch`` finishes (the script's own)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _installed(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "torch" in sys.modules:
+    _installed(sys.modules["torch"])
+else:
+    sys.meta_path.insert(0, _AfterTorch())
+
+_paths = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+_spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _paths)
+if _spec is not None and _spec.loader is not None:
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))

@@ -1,0 +1,148 @@
+"""Where this rank is: its Python stack, written every few seconds, from inside the worker.
+
+ddpnb loads this file into every worker torchrun starts (``RUN_DIR/.ddpnb/ddpnb_watch.py``,
+imported by the ``sitecustomize.py`` beside it, which ``PYTHONPATH`` names). A daemon
+thread writes ``$DDPNB_WATCH/rank-<RANK>.json`` every ``$DDPNB_WATCH_INTERVAL`` seconds:
+the main thread's stack (``sys._current_frames``: readable while the main thread waits
+inside gloo or NCCL, which release Python's lock there), how long that stack has stayed
+the same, and the optimizer steps taken. No ptrace, no signal, no edit of the script: it
+works wherever the worker runs (this machine, SSH hosts, Slurm nodes, containers).
+
+The launcher reads these files (``ddpnb.hang``): ``job.stacks()``, ``ddpnb stacks``, and
+the hang watch that names ranks waiting in different collectives. Writing one small file
+every 2 s costs a run nothing measurable (bench/run.py measures it side by side).
+
+Standard library only; torch is touched only to register an optimizer-step hook once the
+script has imported it (``install``, called by the sitecustomize).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import linecache
+import os
+import socket
+import sys
+import threading
+import time
+
+DIR_ENV = "DDPNB_WATCH"  # the folder for the snapshots; unset: nothing is watched
+INTERVAL_ENV = "DDPNB_WATCH_INTERVAL"  # seconds between snapshots
+OWNER_ENV = "DDPNB_WATCH_OWNER"  # the watched process's pid: processes it starts are not watched
+MAX_FRAMES = 60  # innermost frames kept
+HOOKS_DIR = ".ddpnb"  # the run directory's folder of ddpnb's hooks (this file among them)
+
+_watch = None  # the _Watch of this process, once activated
+
+
+def activate() -> None:
+    """Start watching this process, if it is a worker of a watched run (else do nothing)."""
+    global _watch
+    folder = os.environ.get(DIR_ENV)
+    if not folder or "RANK" not in os.environ or _watch is not None:
+        return
+    owner = os.environ.get(OWNER_ENV)
+    if owner and owner != str(os.getpid()):
+        return  # a process the worker started (torch.multiprocessing.spawn, a subprocess)
+    os.environ[OWNER_ENV] = str(os.getpid())
+    os.makedirs(folder, exist_ok=True)
+    _watch = _Watch(folder, float(os.environ.get(INTERVAL_ENV) or 2.0))
+    threading.Thread(target=_watch.run, name="ddpnb-watch", daemon=True).start()
+    atexit.register(_watch.write, "ended")
+
+
+def install(torch) -> None:
+    """Count optimizer steps (called in the main thread right after ``import torch``)."""
+    if _watch is None:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_watch.stepped)
+
+
+class _Watch:
+    """This rank's snapshots."""
+
+    def __init__(self, folder: str, interval: float) -> None:
+        self.path = os.path.join(folder, f"rank-{os.environ['RANK']}.json")
+        self.interval = interval
+        self.pid = os.getpid()
+        self.main = threading.main_thread().ident
+        self.script_dir = os.path.dirname(os.path.abspath(sys.argv[0] or ".")) + os.sep
+        self.mine: dict[str, str | None] = {}
+        self.steps = 0
+        self.seq = 0
+        self.last: tuple | None = None  # (stack, steps) of the previous snapshot
+        self.moved_at = time.time()
+        self.ended = False
+        self.about = {
+            "rank": int(os.environ["RANK"]),
+            "local_rank": int(os.environ.get("LOCAL_RANK") or 0),
+            "node": int(os.environ.get("GROUP_RANK") or 0),
+            "world_size": int(os.environ.get("WORLD_SIZE") or 1),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+            "host": socket.gethostname(),
+            "pid": self.pid,
+        }
+
+    def stepped(self, *args) -> None:
+        self.steps += 1
+
+    def run(self) -> None:
+        while not self.ended:
+            time.sleep(self.interval)
+            try:
+                self.write("running")
+            except Exception:  # a full disk, a torn interpreter at exit: never the script's problem
+                pass
+
+    def stack(self) -> list[list]:
+        """The main thread's frames, outermost first: [file, line, function, source, mine]."""
+        frame = sys._current_frames().get(self.main)
+        out = []
+        while frame is not None and len(out) < MAX_FRAMES:
+            code = frame.f_code
+            name = self._mine(code.co_filename)
+            text = linecache.getline(code.co_filename, frame.f_lineno).strip()[:120]
+            out.append([name or code.co_filename, frame.f_lineno, code.co_name, text, bool(name)])
+            frame = frame.f_back
+        return out[::-1]
+
+    def _mine(self, filename: str) -> str | None:
+        """The file's path in the run directory when it is the user's (the script's folder)."""
+        if filename not in self.mine:
+            path = os.path.abspath(filename)
+            ours = path.startswith(self.script_dir + HOOKS_DIR + os.sep)
+            ours = ours or os.path.basename(path) == "ddpnb_reporting.py"
+            ok = path.startswith(self.script_dir) and not ours and "site-packages" not in path
+            self.mine[filename] = path[len(self.script_dir) :] if ok else None
+        return self.mine[filename]
+
+    def write(self, state: str) -> None:
+        if os.getpid() != self.pid or self.ended:
+            return  # a forked child (a DataLoader worker) has no watch of its own
+        self.ended = state == "ended"
+        now = time.time()
+        stack = [] if self.ended else self.stack()
+        key = ([f[:3] for f in stack], self.steps)
+        if key != self.last:
+            self.last, self.moved_at = key, now
+        self.seq += 1
+        torch = sys.modules.get("torch")
+        dist = getattr(torch, "distributed", None)
+        record = {
+            **self.about,
+            "state": state,
+            "seq": self.seq,
+            "time": now,
+            "still": round(now - self.moved_at, 3),  # seconds without a step or a new stack
+            "steps": self.steps,
+            "process_group": bool(dist and dist.is_available() and dist.is_initialized()),
+            "interval": self.interval,
+            "stack": stack,
+        }
+        tmp = f"{self.path}.{self.pid}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, self.path)
