@@ -29,7 +29,11 @@ from .errors import RunDirError
 HOOKS_DIR = ".ddpnb"  # in the run directory: ddpnb's hooks, on every worker's PYTHONPATH
 WATCH_DIR = Path(HOOKS_DIR) / "watch"  # the ranks' snapshots
 # What the hooks folder holds: its name there, and the package file it is a copy of.
-HOOKS = {"sitecustomize.py": "site_hooks.py", "ddpnb_watch.py": "watch.py", "ddpnb_observe.py": "observe.py"}
+HOOKS = {
+    "sitecustomize.py": "site_hooks.py",
+    "ddpnb_watch.py": "watch.py",
+    "ddpnb_observe.py": "observe.py",
+}
 CLOCK_SKEW = 5.0  # seconds another host's clock may be behind this one's
 STALE_SECONDS = 15.0  # a snapshot older than this: the rank has not reported (gone, or held)
 C10D = "torch/distributed/distributed_c10d.py"
@@ -311,7 +315,9 @@ class Stacks:
             f"{e(chr(10).join(_stack_lines(r)))}</pre></td></tr>"
             for r in self.ranks
         )
-        head = "".join(f"<th style='text-align:left'>{h}</th>" for h in ("rank", "node", "where", "stack"))
+        head = "".join(
+            f"<th style='text-align:left'>{h}</th>" for h in ("rank", "node", "where", "stack")
+        )
         message = f"<p><b>{e(self.verdict.message)}</b></p>" if self.verdict.message else ""
         return f"<div class='ddpnb-stacks'>{message}<table><tr>{head}</tr>{rows}</table></div>"
 

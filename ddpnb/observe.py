@@ -189,7 +189,9 @@ class _Observer:
         self.stop_seen: float | None = None
         self.finished = False
         self.ddp_modules: list = []
-        self.sequence: list[list] = []  # [collective, "file:line"] in the order this rank called them
+        self.sequence: list[
+            list
+        ] = []  # [collective, "file:line"] in the order this rank called them
         self.in_collective = 0  # a collective calling another (all_gather_object) counts once
         self.backward_syncs = 0  # DDP forwards whose backward will all-reduce gradients
         self.previous_excepthook = sys.excepthook
@@ -726,7 +728,9 @@ def _hook_spawn(obs: _Observer, torch) -> None:
         name = original.__name__
 
         def spawn(*args, **kwargs):
-            obs.write({"kind": "spawn", "call": f"torch.multiprocessing.{name}", "where": obs.where()})
+            obs.write(
+                {"kind": "spawn", "call": f"torch.multiprocessing.{name}", "where": obs.where()}
+            )
             obs.request_stop(None, "the script calls torch.multiprocessing.spawn under torchrun")
             obs.end(f"stopped at torch.multiprocessing.{name}: the script starts ranks of its own")
 

@@ -61,7 +61,11 @@ class Plan:
     @property
     def follow(self) -> dict[str, Any]:
         """How the Job follows the run: the display, and the hang watch."""
-        return {"progress": self.progress, "hang_timeout": self.hang_timeout, "on_hang": self.on_hang}
+        return {
+            "progress": self.progress,
+            "hang_timeout": self.hang_timeout,
+            "on_hang": self.on_hang,
+        }
 
     def user_env(self, node_dir: str, pythonpath: str | None = None) -> dict[str, str]:
         """The user's ``env`` and the variables that load ddpnb's hooks (none with the watch off).

@@ -22,31 +22,15 @@ import tempfile
 import textwrap
 import time
 from collections import Counter, defaultdict
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .errors import DdpnbError, RunFailed
+from .errors import DdpnbError, RunFailed, RunHung
 
-OBSERVE_MODULE = "_ddpnb_observe"
-SITECUSTOMIZE = '''"""Written by ddpnb check-script: observe this worker, then run any other sitecustomize."""
-import importlib.machinery
-import importlib.util
-import os
-import sys
-
-_here = os.path.dirname(os.path.abspath(__file__))
-try:
-    import _ddpnb_observe
-
-    _ddpnb_observe.activate()
-except Exception as e:  # never stop the script for the check's sake
-    sys.stderr.write(f"ddpnb check-script: observation not loaded: {e!r}\\n")
-_paths = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-_spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _paths)
-if _spec is not None and _spec.loader is not None:
-    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
-'''
 WAIT_MARGIN_SECONDS = 30.0  # beyond the workers' own bound, before the check stops the run
+HANG_SECONDS = 10.0  # no rank moved, ranks in collectives: the check calls it a hang
+WATCH_INTERVAL = "0.5"  # seconds between the workers' stack snapshots during a check
 
 TITLES = {
     1: "Ranks train on the same samples",
@@ -57,6 +41,8 @@ TITLES = {
     6: "More than one rank writes the same file",
     7: "The rendezvous cannot span nodes",
     8: "The GPU is picked by the global rank",
+    9: "Ranks call different collectives (the run hangs)",
+    10: "The script starts its own ranks under torchrun (mp.spawn)",
 }
 
 
@@ -85,8 +71,9 @@ class ScriptReport:
     """What ``check_script`` found: ``findings``, ``facts``, what was ``checked``.
 
     ``ok`` is True when the script ran and no mistake was found; ``exit_code`` is the
-    CLI's (0 clean, 1 mistakes, 2 the script could not run: ``error`` holds why, with
-    its traceback). ``pids`` are the run's processes (agents and workers), all ended.
+    CLI's (0 clean, 1 mistakes, 2 the script could not run — ``error`` holds why, with
+    its traceback — or could not be checked: ``unchecked`` says why, e.g. no optimizer
+    step was observed). ``pids`` are the run's processes (agents and workers), all ended.
     """
 
     script: str
@@ -98,22 +85,25 @@ class ScriptReport:
     error: str | None = None
     seconds: float = 0.0
     pids: list[int] = dataclasses.field(default_factory=list)
+    unchecked: str | None = None  # why the run showed too little to call the script clean
 
     @property
     def ok(self) -> bool:
-        return self.error is None and not self.findings
+        return self.error is None and not self.findings and self.unchecked is None
 
     @property
     def exit_code(self) -> int:
-        if self.error is not None:
-            return 2
-        return 1 if self.findings else 0
+        if self.findings:
+            return 1
+        return 2 if self.error is not None or self.unchecked is not None else 0
 
     def summary(self) -> str:
-        if self.error is not None:
-            verdict = "the script could not run"
-        elif self.findings:
+        if self.findings:
             verdict = f"{len(self.findings)} mistake(s) found"
+        elif self.error is not None:
+            verdict = "the script could not run"
+        elif self.unchecked is not None:
+            verdict = f"could not check: {self.unchecked}"
         else:
             verdict = "no mistake found"
         return f"{self.script} on {self.layout}: {verdict} ({self.seconds:.0f} s; {self.ended})"
@@ -198,8 +188,10 @@ def check_script(
 
     script = script if isinstance(script, Script) else Script(script)
     root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="ddpnb-check-"))
-    observe_dir = _prepare_observe(root / "observe")
-    env = _observe_env(observe_dir, steps, seconds, timeout)
+    observe_dir = root / "observe"
+    shutil.rmtree(observe_dir, ignore_errors=True)
+    observe_dir.mkdir(parents=True)
+    env = _observe_env(observe_dir.resolve(), steps, seconds, timeout)
     started = time.monotonic()
     try:
         job = launch(
@@ -212,12 +204,13 @@ def check_script(
             progress="none",
             overwrite=True,
             max_restarts=0,
+            hang_timeout=HANG_SECONDS,
         )
         pids = set(job.pids())
-        error = _wait(job, timeout + WAIT_MARGIN_SECONDS)
+        error, hung = _wait(job, timeout + WAIT_MARGIN_SECONDS)
         records = load_records(observe_dir)
         pids |= {r["pid"] for rank in records.values() for r in rank if r["kind"] == "start"}
-        report = analyse(records, root / "run", nnodes, nproc_per_node, error)
+        report = analyse(records, root / "run", nnodes, nproc_per_node, error, hung)
     finally:
         if run_dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -229,20 +222,11 @@ def check_script(
     return report
 
 
-def _prepare_observe(folder: Path) -> Path:
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    shutil.copyfile(Path(__file__).with_name("observe.py"), folder / f"{OBSERVE_MODULE}.py")
-    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return folder.resolve()
-
-
 def _observe_env(folder: Path, steps: int, seconds: float, timeout: float) -> dict[str, str]:
-    from . import observe
+    from . import observe, watch
 
-    path = [str(folder), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {
-        "PYTHONPATH": os.pathsep.join(path),
+        watch.INTERVAL_ENV: WATCH_INTERVAL,
         observe.DIR_ENV: str(folder),
         observe.STEPS_ENV: str(steps),
         observe.SECONDS_ENV: str(seconds),
@@ -250,19 +234,22 @@ def _observe_env(folder: Path, steps: int, seconds: float, timeout: float) -> di
     }
 
 
-def _wait(job, timeout: float) -> str | None:
-    """Follow the run to its end; None when it ended cleanly, else why it did not."""
+def _wait(job, timeout: float) -> tuple[str | None, RunHung | None]:
+    """Follow the run to its end: (why it did not end cleanly, or None; the hang, if it hung)."""
     try:
         job.wait(timeout=timeout)
+    except RunHung as e:
+        return None, e
     except RunFailed as e:
-        return str(e)
+        return str(e), None
     except TimeoutError:
         job.stop()
         return (
             f"The script did not end within {timeout:.0f} s, although the check asks every "
-            "rank to stop; it was stopped. A rank may be blocked outside Python."
+            "rank to stop; it was stopped. A rank may be blocked outside Python.",
+            None,
         )
-    return None
+    return None, None
 
 
 def load_records(folder: str | os.PathLike) -> dict[int, list[dict]]:
@@ -367,8 +354,9 @@ def analyse(
     nnodes: int,
     nproc_per_node: int,
     error: str | None = None,
+    hung: RunHung | None = None,
 ) -> ScriptReport:
-    """The report of one observed run (``records``: :func:`load_records`)."""
+    """The report of one observed run (``records``: :func:`load_records`; ``hung``: its hang)."""
     ranks = [_Rank(r) for r in records.values() if any(x["kind"] == "start" for x in r)]
     world = nnodes * nproc_per_node
     layout = f"{nnodes} node(s) x {nproc_per_node} process(es)"
@@ -377,15 +365,36 @@ def analyse(
     if len(ranks) < world:
         checked.append(f"Records of {len(ranks)} of {world} ranks: the others never started.")
     checks = (_sharding, _set_epoch, _replicas, _steps, _evaluation, _saves, _devices)
-    for check in (*checks, lambda rs, w: _rendezvous(rs, w, run_dir)):
+    in_run_dir = (_rendezvous, _spawn, _collectives)
+    for check in (*checks, *(partial(c, run_dir=run_dir) for c in in_run_dir)):
         if ranks:
             found, notes = check(ranks, world)
             findings += found
             checked += notes
+    found, notes = _stall(ranks, hung, run_dir)
+    findings, checked = findings + found, checked + notes
     findings.sort(key=lambda f: f.number)
     ends = sorted({e["reason"] for r in ranks for e in r["end"]})
+    if hung is not None:
+        ends.append(f"stopped by the check's hang watch (no rank moved for {HANG_SECONDS:g} s)")
     ended = "; ".join(ends) or "no rank reported how it ended"
-    return ScriptReport("", layout, findings, _facts(ranks, world, layout), checked, ended, error)
+    facts = _facts(ranks, world, layout)
+    unchecked = None if findings or error else _unchecked(ranks)
+    return ScriptReport("", layout, findings, facts, checked, ended, error, unchecked=unchecked)
+
+
+def _unchecked(ranks: list[_Rank]) -> str | None:
+    """Why a run that showed no mistake cannot be called clean, or None when it can."""
+    if not ranks:
+        return "no rank of the script was observed (it never imported torch)"
+    if not any(r["init"] for r in ranks):
+        return "no process group was formed (init_process_group was never called)"
+    if not any(r["step"] for r in ranks):
+        return (
+            "no optimizer step was observed (the script ended, or was stopped, before its first "
+            "optimizer.step())"
+        )
+    return None
 
 
 def _facts(ranks: list[_Rank], world: int, layout: str) -> dict[str, str]:
@@ -727,7 +736,9 @@ def _devices(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
 # -- 7: the rendezvous ----------------------------------------------------------------------
 
 
-def _rendezvous(ranks: list[_Rank], world: int, run_dir: Path) -> tuple[list[Finding], list[str]]:
+def _rendezvous(
+    ranks: list[_Rank], world: int, *, run_dir: Path
+) -> tuple[list[Finding], list[str]]:
     """7: init_method / MASTER_ADDR on loopback; rank or world size not torchrun's."""
     found: dict[tuple, Finding] = {}
     for r in ranks:
@@ -836,6 +847,169 @@ def _setenv_finding(s: dict) -> Finding | None:
         why = "torchrun numbers the processes; a number set by the script is right for one layout only."
         return Finding(7, where, seen, why, SPAN_FIX)
     return None
+
+
+# -- 9: collectives that do not pair up; 10: torch.multiprocessing.spawn -------------------
+
+ORDER_WHY = (
+    "Collectives pair up by their order on each rank, not by their line: a call that some "
+    "ranks make and others do not (or make from another place) leaves ranks waiting for "
+    "partners that never come — silent until the process group's timeout (30 minutes on "
+    "gloo, longer on NCCL) — or pairs later calls with the wrong partners, so the run "
+    "exchanges the wrong tensors and hangs only epochs later."
+)
+ORDER_FIX = (
+    "Call every collective on every rank, in the same order: keep dist.barrier() and "
+    "all_reduce out of `if rank == 0:`; evaluate on rank 0 through model.module (the plain "
+    "model: no DDP collectives), or on every rank with a sharded set; give every rank the "
+    "same number of batches (DistributedSampler)."
+)
+
+
+def _stall(
+    ranks: list[_Rank], hung: RunHung | None, run_dir: Path
+) -> tuple[list[Finding], list[str]]:
+    """9: the run stopped moving with ranks waiting in collectives (the hang watch, or a rank
+    the check's own stop could not reach)."""
+    from .hang import Frame, RankState
+
+    if hung is not None and hung.stacks is not None:
+        states, what = hung.stacks.ranks, hung.stacks.verdict.message
+    else:
+        blocked = [(r, b) for r in ranks for b in r["blocked"]]
+        if not blocked:
+            return [], ["Hangs: no rank was left waiting in a collective."]
+        states = [
+            RankState(
+                r.rank,
+                0,
+                "",
+                0,
+                "running",
+                0.0,
+                b["steps"],
+                True,
+                tuple(Frame(*f) for f in b["stack"]),
+                0.0,
+            )
+            for r, b in blocked
+        ]
+        stopped = sorted({r.rank for r in ranks} - {s.rank for s in states})
+        what = (
+            f"Rank(s) {', '.join(map(str, stopped))} stopped where the check asked; "
+            + "; ".join(s.line() for s in states)
+            + ", and could not get there."
+        )
+    waiting = [s for s in states if s.state == "running" and s.waits_in]
+    first = (waiting or states)[0].mine
+    where = first.at if first is not None else "(not in the script's files)"
+    return [Finding(9, where, what, ORDER_WHY, ORDER_FIX)], []
+
+
+def _collectives(
+    ranks: list[_Rank], world: int, *, run_dir: Path
+) -> tuple[list[Finding], list[str]]:
+    """9: every rank must call the same collectives (its own and DDP's) in the same order."""
+    seqs = {r.rank: r["collectives"][-1]["calls"] for r in ranks if r["collectives"]}
+    if world < 2 or len(seqs) < 2:
+        return [], ["Order of collectives: not checked (fewer than two ranks recorded theirs)."]
+    n = min(len(s) for s in seqs.values())
+    for i in range(n):
+        calls = {rank: tuple(s[i][:2]) for rank, s in seqs.items()}
+        if len(set(calls.values())) > 1:
+            return [_order_finding(i, calls, seqs, run_dir)], []
+    steps = {r.rank: (r["end"][-1]["reason"] if r["end"] else "") for r in ranks}
+    same_stop = len(set(steps.values())) == 1 and "optimizer step" in next(iter(steps.values()))
+    longer = {rank: tuple(s[n][:2]) for rank, s in seqs.items() if len(s) > n}
+    if same_stop and longer:
+        calls = {rank: longer.get(rank, ("no collective", None)) for rank in seqs}
+        return [_order_finding(n, calls, seqs, run_dir)], []
+    return [], [
+        f"Order of collectives: every rank called the same {n} collectives in the same order "
+        "(its own and DDP's: the parameter broadcast, buffer broadcasts, gradient all-reduces)."
+    ]
+
+
+def _order_finding(i: int, calls: dict, seqs: dict, run_dir: Path) -> Finding:
+    used = Counter(tuple(c[:2]) for s in seqs.values() for c in {tuple(x[:2]) for x in s})
+    odd_rank = min(calls, key=lambda r: (used[calls[r]], r))  # the call fewest ranks ever make
+    parts = [
+        f"rank {rank} called {op}" + (f" at {_quoted(run_dir, at)}" if at else "")
+        for rank, (op, at) in sorted(calls.items())
+    ]
+    seen = (
+        f"The ranks' collective #{i + 1} differs: {'; '.join(parts)}. From there on their "
+        "collectives pair up with the wrong partners."
+    )
+    return Finding(
+        9, calls[odd_rank][1] or "(not in the script's files)", seen, ORDER_WHY, ORDER_FIX
+    )
+
+
+def _quoted(run_dir: Path, at: str) -> str:
+    """``file:line (the line's text)``, so that a reader finds the line without counting."""
+    name, _, line = at.rpartition(":")
+    try:
+        text = (run_dir / name).read_text().splitlines()[int(line) - 1].strip()
+    except (OSError, ValueError, IndexError):
+        return at
+    return f"{at} ({text})"
+
+
+def _spawn(ranks: list[_Rank], world: int, *, run_dir: Path) -> tuple[list[Finding], list[str]]:
+    """10: torch.multiprocessing.spawn under torchrun: every rank starts ranks of its own."""
+    spawns = [s for r in ranks for s in r["spawn"]]
+    if not spawns:
+        return [], ["Own ranks: the script does not call torch.multiprocessing.spawn."]
+    s = spawns[0]
+    where = _at(s["where"])
+    sets = _sets_rendezvous(run_dir, s["where"])
+    seen = (
+        f"Every rank called {s['call']} at {where}"
+        + (f"; the script sets the rendezvous itself at {', '.join(sets)}" if sets else "")
+        + ". The check stopped it there: under torchrun it would start a second job per rank."
+    )
+    why = (
+        "torchrun already starts one process per rank and sets RANK, LOCAL_RANK, WORLD_SIZE, "
+        "MASTER_ADDR and MASTER_PORT. A script written for mp.spawn (pytorch/examples' "
+        "multigpu.py) starts nnodes x nproc_per_node jobs of its own, each with its own "
+        "address and port: they clash on the port or wait for each other forever."
+    )
+    fix = (
+        "Drop mp.spawn: call main() once; rank = int(os.environ['RANK']), local_rank = "
+        "int(os.environ['LOCAL_RANK']), world_size = int(os.environ['WORLD_SIZE']); "
+        "dist.init_process_group(backend) without setting MASTER_ADDR or MASTER_PORT."
+    )
+    return [Finding(10, where, seen, why, fix)], []
+
+
+def _names_key(owner: ast.AST, key: ast.AST, keys: tuple[str, ...]) -> bool:
+    """True for ``os.environ[KEY]`` / ``os.environ.setdefault(KEY`` / ``os.putenv(KEY`` with KEY in keys."""
+    text = ast.unparse(owner)
+    return ("environ" in text or "putenv" in text) and (
+        isinstance(key, ast.Constant) and key.value in keys
+    )
+
+
+def _sets_rendezvous(run_dir: Path, where: dict | None) -> list[str]:
+    """``file:line`` of each write of MASTER_ADDR / MASTER_PORT in the file that spawns."""
+    if not where:
+        return []
+    try:
+        tree = ast.parse((run_dir / where["file"]).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    keys = ("MASTER_ADDR", "MASTER_PORT")
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):  # os.environ["MASTER_ADDR"] = ...
+            targets = [t for t in node.targets if isinstance(t, ast.Subscript)]
+            if any(_names_key(t.value, t.slice, keys) for t in targets):
+                lines.add(node.lineno)
+        elif isinstance(node, ast.Call) and node.args:  # os.environ.setdefault(...), os.putenv(...)
+            if _names_key(node.func, node.args[0], keys):
+                lines.add(node.lineno)
+    return [f"{where['file']}:{n}" for n in sorted(lines)]
 
 
 # -- the command line -------------------------------------------------------------------------
