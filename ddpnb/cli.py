@@ -92,6 +92,15 @@ def _parser() -> argparse.ArgumentParser:
         "(exit 0 clean, 1 mistakes, 2 could not run); ddpnb check-script --help",
     )
 
+    stacks = sub.add_parser(
+        "stacks",
+        help="where every rank of a running job is: its script line and the collective it waits in",
+        description="Show each rank's current Python stack (the script's frames, torch's folded) "
+        "and whether the run hangs. Read from the snapshots every worker writes every 2 s. "
+        "Exit 0; 2 when the run has ended, the folder holds no run, or a host stopped reporting.",
+    )
+    stacks.add_argument("run_dir")
+
     plot = sub.add_parser("plot", help="plot loss/accuracy curves of run directories")
     plot.add_argument("run_dirs", nargs="+")
     plot.add_argument("--out", default="curves.png")
@@ -148,6 +157,10 @@ LAUNCH_HELP = {
     "resume": "continue the run in --run-dir from its checkpoint",
     "overwrite": "replace the run in --run-dir",
     "env": "KEY=VALUE added to every node's environment (repeat)",
+    "hang_timeout": "seconds without progress, ranks waiting in collectives, before the run is "
+    "called hung (default: 60; off: the watch is off)",
+    "on_hang": "stop: end a hung run naming every rank's line (default); wait: show it and "
+    "keep waiting",
 }
 HOSTS_HELP = {
     "hosts": "A,B[,C]: real hosts over SSH, one node each, the first is node 0",
@@ -213,6 +226,10 @@ def _option(group, fn, name: str, help_: str) -> None:
         kw.update(action="append", default=[], metavar="ARG")
     elif name == "hosts":
         kw.update(type=lambda text: [h for h in text.split(",") if h], metavar="A,B")
+    elif name == "hang_timeout":
+        kw.update(type=_seconds_or_off, default=default, metavar="SECONDS")
+    elif name == "on_hang":
+        kw.update(choices=("stop", "wait"), default=default)
     elif annotation.startswith("int"):
         kw.update(type=int, default=default, metavar="N")
     else:
@@ -220,6 +237,15 @@ def _option(group, fn, name: str, help_: str) -> None:
     if default not in (None, False, (), inspect.Parameter.empty) and "default" not in help_:
         kw["help"] = f"{help_} (default: {default})"
     group.add_argument(flag, **kw)
+
+
+def _seconds_or_off(text: str) -> float | None:
+    if text.lower() == "off":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds, or 'off', not {text!r}") from None
 
 
 def launch_options(parser: argparse.ArgumentParser) -> None:
@@ -307,6 +333,8 @@ def _submit_script(script, run_dir: str, args: argparse.Namespace, kwargs: dict)
         "overwrite",
         "env",
         "python",
+        "hang_timeout",
+        "on_hang",
     )
     keywords = {name: kwargs[name] for name in shared if name in kwargs}  # given, or each default
     keywords |= _keywords(args, SLURM_HELP)
@@ -628,6 +656,11 @@ def _run(args: argparse.Namespace) -> int:
         return _submit(args)
     if args.command == "attach":
         return _attach(args)
+    if args.command == "stacks":
+        from .hang import stacks
+
+        print(stacks(args.run_dir))
+        return 0
     if args.command == "plot":
         from .plot import plot_curves
 

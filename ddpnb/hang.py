@@ -208,7 +208,7 @@ def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
             "collectives paired up wrongly (one rank called one more), or the network "
             "between the nodes stopped."
         )
-    return Verdict("hang", f"The run hangs. {quiet}: {why}", quiet_for)
+    return Verdict("hang", f"{quiet}: {why}", quiet_for)
 
 
 def _ranks(ranks: list[RankState]) -> str:
@@ -294,7 +294,7 @@ class Stacks:
     def __str__(self) -> str:
         out = [f"ddpnb stacks: {self.run_dir}"]
         if self.verdict.message:
-            out += ["", self.verdict.message]
+            out += ["", f"{self.verdict.title.capitalize()}: {self.verdict.message}"]
         return "\n".join([*out, "", self.per_rank()])
 
     def per_rank(self) -> str:
@@ -318,7 +318,8 @@ class Stacks:
         head = "".join(
             f"<th style='text-align:left'>{h}</th>" for h in ("rank", "node", "where", "stack")
         )
-        message = f"<p><b>{e(self.verdict.message)}</b></p>" if self.verdict.message else ""
+        v = self.verdict
+        message = f"<p><b>{e(v.title.capitalize())}</b>: {e(v.message)}</p>" if v.message else ""
         return f"<div class='ddpnb-stacks'>{message}<table><tr>{head}</tr>{rows}</table></div>"
 
 

@@ -310,6 +310,8 @@ class Job:
             rc = codes.get(n, "external")
             if rc == "external":
                 out[n] = "running" if joined else "external"
+            elif rc is None and self.waiting is not None and self.waiting.kind == "hang":
+                out[n] = "hung"
             elif rc is None:
                 out[n] = "running" if joined or self._worker_output(n) else "starting"
             elif rc == 0:
@@ -443,7 +445,7 @@ class Job:
             return None
         first = next(r for r in ranks if r.state == "running")
         return RunHung(
-            f"{found.message} The run was stopped (on_hang='stop'; on_hang='wait' keeps it "
+            f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' keeps it "
             f"waiting).{resume_hint(self.run_dir)}",
             stacks=Stacks(self.run_dir, ranks, found),
             host=None if self.hosts is None else self.hosts[first.node],

@@ -8,7 +8,7 @@ import sys
 import time
 from html import escape
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from .metrics import RunMetrics, read_jsonl, read_progress
 
@@ -26,6 +26,7 @@ class Followed(Protocol):
     world_size: int
     master_addr: str
     master_port: int
+    waiting: Any  # the hang watch's verdict (ddpnb.hang.Verdict) while not "ok", else None
 
     @property
     def metrics(self) -> RunMetrics: ...
@@ -44,7 +45,10 @@ STATUS_COLORS = {
     "failed": "#dc322f",
     "stopped": "#888888",
     "external": "#888888",
+    "hung": "#d33682",  # every rank waits in a collective and none moves
 }
+# The hang watch's verdicts as the panel shows them: (label, border colour).
+WAITING_STYLE = {"hang": ("The run hangs", "#d33682"), "slow": ("Slow phase", "#b58900")}
 
 # A PNG cannot follow JupyterLab's theme: in a dark theme invert it (keeping the hues), so
 # the plot shows light lines on dark grey like the rest of the panel, not a white block.
@@ -168,6 +172,7 @@ class TextProgress:
     def __init__(self, job: Followed) -> None:
         self.job = job
         self.printed = 0
+        self.said: str | None = None  # the hang watch's verdict kind last printed
         print(_start_line(job), flush=True)
 
     def update(self) -> None:
@@ -175,6 +180,11 @@ class TextProgress:
         for row in rows[self.printed :]:
             print(_epoch_line(row, self.job.epochs), flush=True)
         self.printed = max(self.printed, len(rows))
+        waiting = getattr(self.job, "waiting", None)
+        kind = waiting.kind if waiting is not None else None
+        if kind != self.said and kind in WAITING_STYLE:
+            print(f"ddpnb: {WAITING_STYLE[kind][0].lower()}: {waiting.message}", flush=True)
+        self.said = kind
 
     def close(self, job: Followed) -> None:
         self.update()
@@ -209,6 +219,7 @@ class WidgetProgress:
             value=0, min=0, max=1, description="step", bar_style="info", layout=bar_layout
         )
         self.status = w.HTML()
+        self.waiting = w.HTML()  # the hang watch: a hang or a slow phase, named
         self.plot = w.Image(format="png", layout=w.Layout(max_width="720px"))
         # CSS classes name the parts for a reader of the page (and the browser test).
         for widget, name in [
@@ -216,6 +227,7 @@ class WidgetProgress:
             (self.epoch_bar, "ddpnb-epoch-bar"),
             (self.step_bar, "ddpnb-step-bar"),
             (self.status, "ddpnb-status"),
+            (self.waiting, "ddpnb-hang"),
             (self.plot, "ddpnb-plot"),
         ]:
             widget.add_class(name)
@@ -236,6 +248,7 @@ class WidgetProgress:
                 self.epoch_bar,
                 self.step_bar,
                 self.status,
+                self.waiting,
                 self.plot,
             ]
         )
@@ -267,8 +280,21 @@ class WidgetProgress:
             if self.node_rows[n].value != html:
                 self.node_rows[n].value = html
 
+    def _set_waiting(self) -> None:
+        verdict = getattr(self.job, "waiting", None)
+        html = ""
+        if verdict is not None and verdict.kind in WAITING_STYLE:
+            label, color = WAITING_STYLE[verdict.kind]
+            html = (
+                f"<div style='border-left:4px solid {color};padding:2px 8px;margin:4px 0'>"
+                f"<b>{label}</b>: {escape(verdict.message)}</div>"
+            )
+        if self.waiting.value != html:
+            self.waiting.value = html
+
     def update(self) -> None:
         self._set_nodes()
+        self._set_waiting()
         prog = read_progress(self.job.run_dir)
         rows = read_jsonl(self.job.run_dir / "metrics.jsonl")
         if prog.get("phase") in ("train", "done") and "steps" in prog:

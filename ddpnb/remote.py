@@ -31,6 +31,7 @@ from .agent import LIFELINE_ENV
 from .config import TrainConfig
 from .diagnosis import log_tail, resume_hint
 from .errors import ConfigError, HostError, LaunchError, NodeLost, RunFailed
+from .hang import WATCH_DIR
 from .job import Job, Processes, open_lifeline
 from .log import logger
 from .network import check_network
@@ -56,6 +57,7 @@ from .topology import Topology
 AGENT = Path(__file__).with_name("agent.py")
 REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace (5 s)
 SYNC_SECONDS = 2.0  # how often node 0's progress is copied here (one SSH login each)
+STACKS_SYNC_SECONDS = 5.0  # how often the ranks' stacks are copied here (one login per host)
 # torch.distributed's and the backends' own settings travel from this machine's
 # environment to the hosts (NCCL_SOCKET_IFNAME, NCCL_DEBUG, GLOO_SOCKET_IFNAME, ...).
 FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_CPP_LOG")
@@ -198,6 +200,34 @@ class SshNodes(Processes):
         self.dirs, self.shared, self.run_dir = hosts.dirs, hosts.shared, run_dir
         self.hosts = [h.spec for h in hosts.parsed]
         self._synced = 0.0
+        self._stacks_synced = 0.0
+
+    def sync_stacks(self, force: bool) -> None:
+        """Copy the ranks' stack snapshots here from hosts without the shared folder.
+
+        ``force`` (``job.stacks()``): now, and a host that cannot be read is a HostError.
+        """
+        todo = [n for n, shared in enumerate(self.shared) if not shared]
+        if not todo or (not force and time.monotonic() - self._stacks_synced < STACKS_SYNC_SECONDS):
+            return
+        self._stacks_synced = time.monotonic()
+
+        def one(n: int) -> bool:
+            names = [str(WATCH_DIR)]
+            return pull(
+                self.ssh, self._hosts[n], self.python, self.dirs[n], names, self.run_dir, timeout=10
+            )
+
+        with ThreadPoolExecutor(max_workers=len(todo)) as pool:
+            read = dict(zip(todo, pool.map(one, todo)))
+        lost = [n for n, ok in read.items() if not ok]
+        if force and lost:
+            names = ", ".join(f"node {n} ({self.hosts[n]})" for n in lost)
+            raise HostError(
+                f"Could not read the ranks' stacks from {names}: the host cannot be reached over "
+                "SSH. The other hosts' stacks are in job.stacks() once it answers again.",
+                host=self.hosts[lost[0]],
+            )
 
     def stop(self) -> None:
         """Cut the lifeline first: each host's agent stops its node there; then the clients."""

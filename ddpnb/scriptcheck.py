@@ -93,15 +93,17 @@ class ScriptReport:
 
     @property
     def exit_code(self) -> int:
+        if self.error is not None:
+            return 2
         if self.findings:
             return 1
-        return 2 if self.error is not None or self.unchecked is not None else 0
+        return 2 if self.unchecked is not None else 0
 
     def summary(self) -> str:
-        if self.findings:
-            verdict = f"{len(self.findings)} mistake(s) found"
-        elif self.error is not None:
+        if self.error is not None:
             verdict = "the script could not run"
+        elif self.findings:
+            verdict = f"{len(self.findings)} mistake(s) found"
         elif self.unchecked is not None:
             verdict = f"could not check: {self.unchecked}"
         else:
