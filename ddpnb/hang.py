@@ -174,12 +174,12 @@ def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
             "quiet", f"{quiet}. No rank waits in a collective: the ranks are busy.", quiet_for
         )
     if others:
-        busy = _ranks(others)
+        busy, them = _ranks(others), "it" if len(others) == 1 else "they"
         return Verdict(
             "slow",
-            f"{quiet}. {busy} still work while the others wait for them: a slow phase (a "
-            "large checkpoint, a slow disk, a long evaluation on one rank) is not a bug; if "
-            f"{busy} never get past that line, they are stuck there.",
+            f"{quiet}. {busy} still working while the others wait: a slow phase (a large "
+            "checkpoint, a slow disk, a long evaluation on one rank) is not a bug; if "
+            f"{them} never get past that line, {them} are stuck there.",
             quiet_for,
         )
     spawn = [r for r in waiting if r.waits_in.startswith("torch.multiprocessing.spawn")]
@@ -199,8 +199,9 @@ def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
     elif len({(r.waits_in, r.where()) for r in waiting}) > 1:
         why = (
             "the ranks are in different collectives — one of them is called on some ranks only "
-            "(a collective inside `if rank == 0:`, or an evaluation through the DDP wrapper on "
-            "one rank). Call every collective on every rank, in the same order."
+            "(a collective inside `if rank == 0:`, an evaluation through the DDP wrapper on "
+            "one rank, or shards with different numbers of batches, so that one rank is still "
+            "in its loop). Call every collective on every rank, in the same order."
         )
     else:
         why = (

@@ -87,6 +87,16 @@ PITFALLS = {
             ),
         ),
     ),
+    "barrier_on_rank0": Pitfall(
+        "dist.barrier() on rank 0 only: the ranks wait in different collectives and the run "
+        "hangs after its first epoch",
+        (
+            (
+                "        if me.distributed:\n",  # the guard of the end-of-epoch barrier
+                "if me.master_process:  # MISTAKE: the barrier on rank 0 only",
+            ),
+        ),
+    ),
 }
 
 
