@@ -192,7 +192,8 @@ def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
         )
     elif ended:
         why = (
-            f"{_ranks(ended)} left while {_ranks(waiting)} still wait in a collective: the ranks "
+            f"{_ranks(ended)} ended while {_ranks(waiting)} "
+            f"{'waits' if len(waiting) == 1 else 'wait'} in a collective: the ranks "
             "ran different numbers of steps (uneven batches per rank, a rank that stopped early), "
             "and a collective waits for a rank that is gone."
         )

@@ -559,7 +559,9 @@ def _steps(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
     """4: every rank must take the same number of optimizer steps in an epoch."""
     epochs = max((len(r.train) for r in ranks), default=0)
     for k in range(1, epochs + 1):
-        done = {r.rank: r.train[k - 1]["steps"] for r in ranks if r.epoch_done(k)}
+        done = {
+            r.rank: r.train[k - 1]["steps"] for r in ranks if r.epoch_done(k) and len(r.train) >= k
+        }
         if not done:
             continue
         shortest = min(done.values())

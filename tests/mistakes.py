@@ -72,6 +72,16 @@ EDITS = {
         (INIT, '    os.environ["MASTER_ADDR"] = "localhost"  # MISTAKE: overrides torchrun\'s\n'
                + INIT),
     ]),
+    "rank0_barrier": ("good.py", "dist.barrier() on rank 0 only: the run hangs after epoch 1", [
+        ("        dist.all_reduce(sums)  # sums and counts over every rank\n",
+         "        dist.all_reduce(sums)  # sums and counts over every rank\n"
+         "        if rank == 0:\n"
+         "            dist.barrier()  # MISTAKE: on rank 0 only\n"),
+    ]),
+    "ddp_eval_rank0": ("bn_rank0_eval.py", "rank 0 evaluates through the DDP wrapper", [
+        ("model.module(x)", "model(x)"),
+        ("            model.eval()\n", "            model.eval()  # MISTAKE: evaluated through DDP below\n"),
+    ]),
     "global_rank_device": ("local_rank_device.py", "the GPU picked by the global rank", [
         ('    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))\n',
          '    device = torch.device("cuda", rank)  # MISTAKE: the global rank, not LOCAL_RANK\n'),

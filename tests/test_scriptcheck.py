@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).with_name("scripts")
 EPOCHS = "100"
 BOUND_SECONDS = 45  # a 100-epoch script, checked (measured: about 6 s here)
+HANG_BOUND_SECONDS = 90  # a hanging script, checked (the issue's bound; measured: about 16 s)
+HANGS = Path(__file__).with_name("hangs")
 
 # script -> (the mistake's number, the line the finding must name, what it must have measured)
 MISTAKES = {
@@ -37,6 +39,9 @@ MISTAKES = {
     "loopback_init": (7, "dist.init_process_group(", "127.0.0.1"),
     "fixed_world_size": (7, "dist.init_process_group(", "world_size=2 is written"),
     "loopback_master_addr": (7, 'os.environ["MASTER_ADDR"]', "'localhost'"),
+    # a hang: the hang watch names each rank's line; the collectives' order, before any hang
+    "rank0_barrier": (9, "dist.barrier()  # MISTAKE", "rank 0 waits in barrier at"),
+    "ddp_eval_rank0": (9, "total += float(F.mse_loss(model(x)", "DDP's buffer broadcast (forward)"),
 }
 
 _reports: dict = {}
@@ -100,7 +105,7 @@ def test_mistake_is_found_with_its_line_and_evidence(name):
     assert_nothing_left(report)
 
 
-@pytest.mark.parametrize("name", ["good", "rank0_eval"])
+@pytest.mark.parametrize("name", ["good", "rank0_eval", "bn_rank0_eval"])
 def test_correct_script_is_clean_and_stopped_early(name):
     report = checked(name)
     assert report.ok and report.exit_code == 0, str(report)
@@ -143,6 +148,46 @@ def test_script_raising_before_training_exits_2_with_its_traceback(tmp_path, cap
     records = load_records(tmp_path / "observe")
     pids = [r["pid"] for rank in records.values() for r in rank if r["kind"] == "start"]
     assert len(pids) == 2 and not [p for p in pids if alive(p)]
+
+
+def test_a_hang_is_named_with_every_ranks_line():
+    """9 from the hang watch: rank 0 in its barrier, rank 1 in DDP's all-reduce, both lines."""
+    report = checked("rank0_barrier")
+    seen = report.findings[0].seen
+    assert "rank 1 waits in DDP's gradient all-reduce inside backward at rank0_barrier.py:" in seen
+    assert "stopped by the check's hang watch" in report.ended
+    assert report.seconds < HANG_BOUND_SECONDS
+
+
+def test_evaluation_through_ddp_on_one_rank_is_named_before_it_hangs():
+    """9 from the order of collectives: rank 0's extra buffer broadcast, at its evaluation line."""
+    seen = checked("ddp_eval_rank0").findings[0].seen
+    train = line_of("ddp_eval_rank0", "F.mse_loss(model(x).squeeze(1), y).backward()")
+    assert "rank 0 called DDP's buffer broadcast (forward) at ddp_eval_rank0.py:" in seen
+    assert f"rank 1 called DDP's buffer broadcast (forward) at ddp_eval_rank0.py:{train}" in seen
+    assert "stopped after optimizer step" in checked("ddp_eval_rank0").ended  # no hang needed
+
+
+def test_mp_spawn_under_torchrun_is_named_with_the_lines_that_set_the_rendezvous():
+    report = check_script(Script(HANGS / "spawns.py"))
+    assert [f.number for f in report.findings] == [10], str(report)
+    finding = report.findings[0]
+    text = (HANGS / "spawns.py").read_text().splitlines()
+    spawn = next(i for i, line in enumerate(text, 1) if "mp.spawn(" in line)
+    addr = next(i for i, line in enumerate(text, 1) if '"MASTER_ADDR"' in line)
+    assert finding.where == f"spawns.py:{spawn}"
+    assert f"spawns.py:{addr}, spawns.py:{addr + 1}" in finding.seen
+    assert "Drop mp.spawn" in finding.fix and report.exit_code == 1
+    assert_nothing_left(report)
+
+
+def test_a_script_with_no_optimizer_step_cannot_be_called_clean(tmp_path):
+    """No process group, or no optimizer step: 'could not check' (exit 2), never clean."""
+    (tmp_path / "nogroup.py").write_text("import torch\nprint(torch.ones(2).sum())\n")
+    report = check_script(Script(tmp_path / "nogroup.py"))
+    assert (report.exit_code, report.ok) == (2, False), str(report)
+    assert "could not check: no process group was formed" in report.summary()
+    assert report.error is None and report.findings == []
 
 
 def test_global_rank_device_is_seen_before_cuda_fails_here():

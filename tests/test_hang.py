@@ -1,0 +1,204 @@
+"""A hang is named, not waited out: each rank's line, on simulated nodes, in seconds.
+
+Real torchrun runs of tests/hangs/ (gloo on loopback) with a short ``hang_timeout`` and
+snapshots every half second, so no test waits on a long timeout. The verdicts themselves
+are pure functions of the snapshots, tested on hand-made ranks first.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ddpnb
+from ddpnb.errors import ConfigError, RunHung
+from ddpnb.hang import Frame, RankState, verdict
+from ddpnb.script import Script
+
+HANGS = Path(__file__).with_name("hangs")
+FAST = {"DDPNB_WATCH_INTERVAL": "0.5"}  # snapshots twice a second
+HANG_SECONDS = 4.0
+
+
+def line_of(name: str, snippet: str) -> int:
+    lines = (HANGS / name).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if snippet in line)
+
+
+def launch(name: str, run_dir: Path, **kwargs) -> ddpnb.Job:
+    kwargs.setdefault("hang_timeout", HANG_SECONDS)
+    return ddpnb.launch(
+        Script(HANGS / name), run_dir, nnodes=2, env=FAST, progress="text", **kwargs
+    )
+
+
+def assert_nothing_left(job: ddpnb.Job) -> None:
+    deadline = time.monotonic() + 10
+    while job.pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.pids() == []
+
+
+# -- verdicts on hand-made snapshots --------------------------------------------------------
+
+
+def rank(r: int, *inside: tuple[str, str], user: str = "train.py", line: int = 10, **kw):
+    """Rank r at ``user:line``, with torch's frames ``inside`` (file, function) below it."""
+    frames = [Frame(user, line, "<module>", "the call", True)]
+    frames += [Frame(f"/venv/site-packages/{f}", 1, fn, "", False) for f, fn in inside]
+    fields = dict(state="running", still=90.0, steps=5, process_group=True, age=0.5)
+    fields.update(kw)
+    return RankState(r, r, "host", 100 + r, frames=tuple(frames), **fields)
+
+
+BARRIER = ("torch/distributed/distributed_c10d.py", "barrier")
+BACKWARD = ("torch/autograd/graph.py", "_engine_run_backward")
+BUFFERS = ("torch/nn/parallel/distributed.py", "_sync_buffers")
+SAVE = ("torch/serialization.py", "save")
+
+
+def test_different_collectives_hang():
+    v = verdict([rank(0, BARRIER, line=21), rank(1, BACKWARD, line=18)], 70, 60)
+    assert v.kind == "hang"
+    assert "rank 0 waits in barrier at train.py:21 (the call)" in v.message
+    assert "rank 1 waits in DDP's gradient all-reduce inside backward at train.py:18" in v.message
+    assert "different collectives" in v.message
+
+
+def test_nothing_is_called_before_the_limit():
+    assert verdict([rank(0, BARRIER), rank(1, BACKWARD)], 59, 60).kind == "ok"
+
+
+def test_a_rank_writing_a_checkpoint_is_a_slow_phase_not_a_bug():
+    v = verdict([rank(0, SAVE, line=40), rank(1, BARRIER, line=41)], 70, 60)
+    assert v.kind == "slow" and "not a bug" in v.message
+    assert "rank 0 is writing a checkpoint (torch.save) at train.py:40" in v.message
+
+
+def test_a_rank_that_left_while_others_wait_is_named():
+    v = verdict([rank(0, BACKWARD), rank(1, state="ended")], 70, 60)
+    assert v.kind == "hang" and "rank 1 ended while rank 0 waits in a collective" in v.message
+
+
+def test_buffer_broadcast_and_spawn_are_named():
+    assert "DDP's buffer broadcast in forward" in rank(0, BUFFERS).line()
+    spawn = ("torch/multiprocessing/spawn.py", "join")
+    v = verdict([rank(0, spawn), rank(1, spawn)], 70, 60)
+    assert v.kind == "hang" and "Drop mp.spawn" in v.message
+
+
+def test_busy_ranks_are_not_a_hang():
+    assert verdict([rank(0), rank(1)], 500, 60).kind == "quiet"
+
+
+# -- real runs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_barrier_on_rank0_is_named_and_stopped(tmp_path, capsys):
+    started = time.monotonic()
+    with pytest.raises(RunHung) as caught:
+        launch("barrier_rank0.py", tmp_path / "run")
+    e = caught.value
+    barrier = line_of("barrier_rank0.py", "dist.barrier()")
+    backward = line_of("barrier_rank0.py", ".backward()")
+    assert f"rank 0 waits in barrier at barrier_rank0.py:{barrier}" in str(e)
+    assert (
+        f"waits in DDP's gradient all-reduce inside backward at barrier_rank0.py:{backward}"
+        in str(e)
+    )
+    assert (e.global_rank, e.node_rank) == (0, 0)
+    assert [r.rank for r in e.stacks.ranks] == [0, 1]
+    assert time.monotonic() - started < 60
+    assert "ddpnb: the run hangs:" in capsys.readouterr().out  # the text progress said it live
+
+
+@pytest.mark.slow
+def test_waiting_shows_the_hang_and_ddpnb_stacks_reads_it(tmp_path):
+    """on_hang='wait': the run stays up, the nodes read 'hung', ddpnb stacks shows every rank."""
+    job = launch("barrier_rank0.py", tmp_path / "run", on_hang="wait", wait=False)
+    try:
+        with pytest.raises(TimeoutError):
+            job.wait(timeout=25)
+        assert job.waiting is not None and job.waiting.kind == "hang"
+        assert set(job.node_status().values()) == {"hung"}
+        out = subprocess.run(
+            [sys.executable, "-m", "ddpnb", "stacks", str(job.run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        barrier = line_of("barrier_rank0.py", "dist.barrier()")
+        assert f"rank 0 waits in barrier at barrier_rank0.py:{barrier}" in out.stdout
+        assert "rank 1 waits in DDP's gradient all-reduce" in out.stdout
+        assert "frame(s) of torch/Python, innermost barrier" in out.stdout  # torch's, folded
+        assert "barrier_rank0.py" in job.stacks()._repr_html_()
+    finally:
+        job.stop()
+    assert_nothing_left(job)
+    ended = subprocess.run(
+        [sys.executable, "-m", "ddpnb", "stacks", str(job.run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ended.returncode == 2 and "has ended" in ended.stderr, ended.stderr
+    assert "Traceback" not in ended.stderr
+
+
+@pytest.mark.slow
+def test_uneven_batches_leave_one_rank_in_its_loop(tmp_path):
+    with pytest.raises(RunHung) as caught:
+        launch("uneven_batches.py", tmp_path / "run")
+    text = str(caught.value)
+    assert "rank 0 waits in DDP's gradient all-reduce inside backward" in text
+    assert (
+        f"rank 1 waits in barrier at uneven_batches.py:{line_of('uneven_batches.py', 'dist.barrier()')}"
+        in text
+    )
+    assert "different numbers of batches" in text
+
+
+@pytest.mark.slow
+def test_a_slow_rank_is_described_and_the_run_finishes(tmp_path, capsys):
+    job = launch("slow_checkpoint.py", tmp_path / "run", hang_timeout=2.0)
+    assert all(rc == 0 for rc in job.returncodes.values())
+    out = capsys.readouterr().out
+    sleep = line_of("slow_checkpoint.py", "time.sleep(")
+    assert "ddpnb: slow phase: No rank has made progress" in out
+    assert f"rank 0 is working outside any collective at slow_checkpoint.py:{sleep}" in out
+    assert "not a bug" in out and "hangs" not in out
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_bad_hang_settings_are_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="hang_timeout must be a number of seconds"):
+        launch("slow_checkpoint.py", tmp_path / "a", hang_timeout=-1)
+    with pytest.raises(ConfigError, match="on_hang must be 'stop'"):
+        launch("slow_checkpoint.py", tmp_path / "b", on_hang="kill")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda p: p / "missing", "no such folder"),
+        (lambda p: p, "holds no run"),
+    ],
+)
+def test_ddpnb_stacks_on_no_run_says_which(tmp_path, make, says):
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpnb", "stacks", str(make(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
