@@ -112,10 +112,13 @@ def per_load_worker(folder: Path) -> Path:
     return path
 
 
-def ddpnb_run(data: Path, nnodes: int, nproc: int, epochs: int, worker=None, **cfg) -> dict:
+def ddpnb_run(
+    data: Path, nnodes: int, nproc: int, epochs: int, worker=None, launch=None, **cfg
+) -> dict:
     """Train with ddpnb.launch; return steady images/s (epochs after the first) and latency.
 
-    ``worker``: another version of the worker script to run instead of ddpnb's own.
+    ``worker``: another version of the worker script to run instead of ddpnb's own;
+    ``launch``: more keywords of ddpnb.launch (``hang_timeout=None``: the watch off).
     """
     run_dir = Path(tempfile.mkdtemp(prefix="ddpnb-bench-"))
     # Full batches only (1437 train images: 22 steps of 64), like the reference loop: a
@@ -126,7 +129,13 @@ def ddpnb_run(data: Path, nnodes: int, nproc: int, epochs: int, worker=None, **c
     t0 = time.time()
     what = worker_script(config, worker) if worker else config
     job = ddpnb.launch(
-        what, run_dir, nnodes=nnodes, nproc_per_node=nproc, progress="none", overwrite=True
+        what,
+        run_dir,
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+        progress="none",
+        overwrite=True,
+        **(launch or {}),
     )
     rows = job.metrics.epochs
     ranks = job.metrics.ranks
@@ -231,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         pair = {h: ddpnb_run(data, 1, 2, epochs, batch_size=32, comm_hook=h) for h in hooks}
         two, gloo = pair["auto"], pair["none"]
         nodes = ddpnb_run(data, 2, 1, epochs, batch_size=32)
+        # The hang watch (every worker's stack written every 2 s) on and off, alternately.
+        order = [60.0, None] if i % 2 == 0 else [None, 60.0]
+        watch = {
+            t: ddpnb_run(data, 1, 2, epochs, launch={"hang_timeout": t}, batch_size=32)
+            for t in order
+        }
         note("ceiling images/s", ceiling)
         note("reference DDP 1x2 images/s", ref2["images_per_second"])
         note("ddpnb 1x2 images/s", two["images_per_second"])
@@ -268,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         note(
             "5 launch latency ddpnb / bare torchrun",
             two["first_step_seconds"] / ref2["first_step_seconds"],
+        )
+        note(
+            "6 ddpnb 1x2 with the hang watch / without, side by side",
+            watch[60.0]["images_per_second"] / watch[None]["images_per_second"],
         )
         note("ddpnb 1x2 communication share of epoch", two["comm_share"])
         note("ddpnb 1x2 communication share with gloo's all-reduce", gloo["comm_share"])

@@ -285,7 +285,7 @@ def read_ranks(
     return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Stacks:
     """Where every rank is: ``str()`` a text, ``_repr_html_`` a table (in a notebook)."""
 
@@ -298,6 +298,8 @@ class Stacks:
         if self.verdict.message:
             out += ["", f"{self.verdict.title.capitalize()}: {self.verdict.message}"]
         return "\n".join([*out, "", self.per_rank()])
+
+    __repr__ = __str__
 
     def per_rank(self) -> str:
         """Each rank's line and its stack (the user's frames; torch's folded)."""

@@ -439,7 +439,7 @@ class Job:
             self.waiting = None
             return None
         quiet = min(min(live), now - self._quiet_floor())
-        found = verdict(ranks, quiet, self.hang_timeout)
+        found = verdict(ranks, quiet, self._hang_limit())
         self.waiting = found if found.kind != "ok" else None
         if found.kind != "hang" or self.on_hang != "stop":
             return None
@@ -452,6 +452,14 @@ class Job:
             node_rank=first.node,
             global_rank=first.rank,
         )
+
+    def _hang_limit(self) -> float:
+        """hang_timeout; for ddpnb's worker at most half its own collective timeout, so that
+        the hang is named before gloo's timeout ends the run with a bare 'Timed out'."""
+        limit = self.hang_timeout or HANG_DEFAULT
+        if self.config is not None:
+            limit = min(limit, self.config.timeout_seconds / 2)
+        return limit
 
     def _quiet_floor(self) -> float:
         """When the run last printed a line or reported progress (output counts as progress)."""

@@ -112,6 +112,7 @@ class _Pass:
         self.n = self.batches = self.steps = 0
         self.sizes: list[int] = []  # the smallest and largest batch
         self.exhausted = False
+        self.written = False  # its record is on disk (written when the loader ran out)
 
     def add(self, idx) -> None:
         batch = idx if isinstance(idx, list) else [idx]
@@ -243,7 +244,7 @@ class _Observer:
     def open_pass(self, source: str, obj_id: str) -> _Pass:
         with self.lock:
             previous = self.open_passes.pop(obj_id, None)
-            if previous is not None:
+            if previous is not None and not previous.written:
                 self.write(previous.record())
             training = None
             if self.ddp_modules:
@@ -252,6 +253,13 @@ class _Observer:
             self.open_passes[obj_id] = p
             self.current = p
             return p
+
+    def pass_ended(self, p: _Pass) -> None:
+        """Write a finished pass at once: a rank that then hangs in a collective keeps it."""
+        with self.lock:
+            if not p.written:
+                self.write(p.record())
+                p.written = True
 
     def train_pass_ended(self, p: _Pass) -> None:
         """At the end of a training epoch, wait briefly for every rank to end the same one.
@@ -363,7 +371,8 @@ class _Observer:
             if self.finished or os.getpid() != self.pid:
                 return
             for p in self.open_passes.values():
-                self.write(p.record())
+                if not p.written:
+                    self.write(p.record())
             self.open_passes.clear()
             full = len(self.sequence) >= MAX_SEQUENCE
             self.write({"kind": "collectives", "calls": self.sequence, "truncated": full})
@@ -620,6 +629,8 @@ def _hook_loader_iter(obs: _Observer, torch) -> None:
                 return original(self)
             except StopIteration:
                 p = self.__dict__.get("_ddpnb_pass")
+                if p is not None and p.exhausted:
+                    obs.pass_ended(p)  # its steps are final: the consumer has seen the end
                 if p is not None and p.steps:
                     obs.train_pass_ended(p)
                 raise

@@ -859,7 +859,7 @@ ORDER_WHY = (
     "Collectives pair up by their order on each rank, not by their line: a call that some "
     "ranks make and others do not (or make from another place) leaves ranks waiting for "
     "partners that never come — silent until the process group's timeout (30 minutes on "
-    "gloo, longer on NCCL) — or pairs later calls with the wrong partners, so the run "
+    "gloo, 10 on NCCL, by default) — or pairs later calls with the wrong partners, so the run "
     "exchanges the wrong tensors and hangs only epochs later."
 )
 ORDER_FIX = (

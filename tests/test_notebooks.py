@@ -284,6 +284,12 @@ def test_06_pitfalls(executed):
     assert "Ranks train on the same samples" in text and "train_ddp.py:" in text
     assert "Every epoch repeats the same order" in text
     assert "PortInUseError" in text
+    # The barrier on rank 0 only: the hang watch stopped it after epoch 1, naming each
+    # rank's line, and the check names it as mistake 9.
+    assert len(ddpnb.load_metrics(root / "barrier_on_rank0").epochs) == 1
+    assert "run FAILED" in text and "(RunHung)" in text
+    assert "rank 0 waits in barrier at train_ddp.py:" in text
+    assert "Ranks call different collectives" in text
 
 
 def torch_default_threads() -> int:

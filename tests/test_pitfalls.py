@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import TRAIN_PER_CLASS, VAL_COUNTS, tiny_config
@@ -12,7 +13,7 @@ from conftest import TRAIN_PER_CLASS, VAL_COUNTS, tiny_config
 import ddpnb
 from ddpnb import pitfalls
 from ddpnb.data import inspect_dataset, subset_dataset
-from ddpnb.errors import ConfigError
+from ddpnb.errors import ConfigError, RunHung
 from ddpnb.source import WORKER_PATH
 
 TRAIN_SIZE = 10 * TRAIN_PER_CLASS
@@ -145,6 +146,30 @@ def test_without_a_thread_budget_every_process_takes_torch_default(layout_run, p
     budget = max(1, (os.cpu_count() or 1) // 2)
     assert [r["threads"] for r in _epoch(layout_run("2x1"), 1)] == [budget] * 2
     assert [r["threads"] for r in _epoch(bad, 1)] == [_torch_default_threads()] * 2
+
+
+@pytest.mark.slow
+def test_a_barrier_on_rank_0_only_hangs_and_the_watch_stops_it(tiny_data, tmp_path):
+    script = pitfalls.script(tiny_config(tiny_data), "barrier_on_rank0", tmp_path)
+    job = ddpnb.launch(
+        script, tmp_path / "run", nnodes=2, progress="none", hang_timeout=8, wait=False
+    )
+    try:
+        with pytest.raises(RunHung) as caught:
+            job.wait(timeout=120)
+        deadline = time.monotonic() + 10
+        while job.pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert job.pids() == []  # every process of the run has ended
+    finally:
+        job.stop()
+    lines = pitfalls.variant("barrier_on_rank0").splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if "dist.barrier()  # nobody" in text)
+    message = str(caught.value)
+    assert f"rank 0 waits in barrier at train_ddp.py:{line} (dist.barrier()" in message
+    assert "rank 1 waits in" in message and "different collectives" in message
+    assert "barrier" in str(caught.value.stacks)
+    assert len(job.metrics.epochs) == 1  # the first epoch ended; the second never did
 
 
 @pytest.mark.slow

@@ -428,3 +428,37 @@ def test_your_own_script_failing_on_slurm_gives_its_traceback(slurm, tmp_path):
     err = info.value
     assert err.global_rank == 1 and err.exit_code == 1
     assert 'fails.py", line 12, in train_step' in err.traceback
+
+
+def test_a_hang_in_a_batch_job_shows_every_ranks_stack(slurm, tmp_path):
+    """The stacks of the allocation's nodes, read from the shared run directory."""
+    from ddpnb import Script
+
+    script = Script(Path(__file__).with_name("hangs") / "barrier_rank0.py")
+    job = submit_slurm(
+        script,
+        tmp_path / "hang",
+        nnodes=2,
+        wait=False,
+        progress="none",
+        env={"DDPNB_WATCH_INTERVAL": "0.5"},
+        hang_timeout=6,
+        on_hang="wait",
+    )
+    try:
+        with pytest.raises(TimeoutError):
+            job.wait(timeout=90)
+        assert job.waiting is not None and job.waiting.kind == "hang", job.waiting
+        cli = subprocess.run(
+            [sys.executable, "-m", "ddpnb", "stacks", str(job.run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert "rank 0 waits in barrier at barrier_rank0.py:" in cli.stdout
+        assert "rank 1 waits in DDP's gradient all-reduce inside backward" in cli.stdout
+        assert {r.node for r in job.stacks().ranks} == {0, 1}
+    finally:
+        job.stop()
+    assert job.state == "CANCELLED" and _squeue(job.job_id) == ""

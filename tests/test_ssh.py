@@ -336,3 +336,36 @@ def test_your_own_script_on_hosts_without_the_shared_filesystem(hosts, tmp_path)
     finally:
         shutil.rmtree(run, ignore_errors=True)
     assert not _no_leftovers(hosts)
+
+
+def test_a_hang_on_hosts_without_the_shared_filesystem_is_named_by_host(hosts, tmp_path):
+    """The ranks' stacks are copied from each host's own run directory; the hang names them."""
+    run = hosts.private_root / f"hang-{os.getpid()}"
+    script = ddpnb.Script(Path(__file__).with_name("hangs") / "barrier_rank0.py")
+    job = ddpnb.launch(
+        script,
+        run,
+        hosts=hosts.private,
+        ssh_config=hosts.ssh_config,
+        progress="none",
+        env={"DDPNB_WATCH_INTERVAL": "0.5"},
+        hang_timeout=6,
+        on_hang="wait",
+        wait=False,
+    )
+    try:
+        assert job.backend.shared == [False, False]
+        with pytest.raises(TimeoutError):
+            job.wait(timeout=45)
+        assert job.waiting is not None and job.waiting.kind == "hang", job.waiting
+        stacks = job.stacks()
+        lines = {r.rank: (r.node, r.line()) for r in stacks.ranks}
+        assert lines[0][0] == 0 and lines[0][1].startswith(
+            "rank 0 waits in barrier at barrier_rank0.py:"
+        )
+        assert lines[1][0] == 1 and "DDP's gradient all-reduce" in lines[1][1]
+        assert "different collectives" in stacks.verdict.message
+    finally:
+        job.stop()
+        shutil.rmtree(run, ignore_errors=True)
+    assert not _no_leftovers(hosts)
