@@ -219,6 +219,11 @@ export {RUN_DIR_ENV}={q(str(run_dir))} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
 # in the job), appended to after a requeue.
 {network}export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
 export SLURM_STDOUTMODE={q(str(run_dir / "logs" / "node-%n.log"))}
+# After a torchrun restart the agents meet in a new rendezvous round. Each round's workers
+# get a store of their own (hosted by rank 0) rather than the agents' shared one, whose
+# keys outlive the round: under c10d each agent counts only its own restarts, so a
+# per-attempt key prefix could differ between nodes and they would never meet.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # Each node names its own address (Slurm's NodeAddr) and the first node says it hosts the
 # store (torchrun reads PET_<OPTION> as that option): torchrun would otherwise go by the
 # host name, which on clusters with a separate training network resolves to the other one.

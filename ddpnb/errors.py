@@ -80,6 +80,29 @@ class RunFailed(DdpnbError):
         super().__init__("\n\n".join(parts))
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """The user stopped a run (Ctrl-C, the notebook's stop button): every process of it ended.
+
+    A KeyboardInterrupt, so that the cell ends as interrupted and Run All stops there; in a
+    notebook it shows as one short message instead of a traceback through ddpnb's frames.
+    """
+
+    def __init__(self, run_dir, epochs_done: int) -> None:
+        self.run_dir = run_dir
+        resume = (
+            f" {epochs_done} epoch(s) are recorded; launch it again with resume=True (CLI: "
+            "--resume) to continue from its checkpoint."
+            if epochs_done
+            else ""
+        )
+        super().__init__(
+            f"the run in {run_dir} was stopped; no process of it is left running.{resume}"
+        )
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows these lines instead
+        return [f"KeyboardInterrupt: {self}"]
+
+
 class WorkerFailed(RunFailed):
     """A worker process of the run failed (raised, or exited non-zero)."""
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from .agent import descendants
 from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
-from .errors import RunFailed, RunHung
+from .errors import RunFailed, RunHung, RunInterrupted
 from .hang import Stacks, Verdict, read_ranks, stacks, verdict
 from .metrics import RunMetrics, load_metrics, read_progress
 from .progress import make_progress
@@ -251,6 +251,7 @@ class Job:
         self.hang_timeout, self.on_hang = hang_timeout, on_hang
         self.waiting: Verdict | None = None  # the hang watch's latest verdict, when not "ok"
         self._watched = 0.0  # when the hang watch last looked
+        self._ranks: list = []  # what it saw (ddpnb.hang.RankState per rank)
         self._output: tuple = ()  # the node logs' sizes and the progress file's time, last seen
         self._output_moved = time.time()
         _live_jobs.add(self)
@@ -344,6 +345,13 @@ class Job:
         """PIDs of this run's processes on this machine that are still alive."""
         return self.backend.pids()
 
+    def node_steps(self) -> dict[int, int]:
+        """Optimizer steps per node so far (its first rank's), as the hang watch saw them."""
+        out: dict[int, int] = {}
+        for r in self._ranks:
+            out.setdefault(r.node, r.steps)
+        return out
+
     def stacks(self) -> Stacks:
         """Where every rank is now: the user's line and what it waits in, torch's frames folded.
 
@@ -399,8 +407,9 @@ class Job:
             self.error = e
             self.stop()
             display.close(self)
-            print(f"Interrupted: stopped every process of the run in {self.run_dir}.")
-            raise
+            if type(e) is not KeyboardInterrupt:
+                raise  # a signal the CLI names (SIGTERM, SIGHUP)
+            raise RunInterrupted(self.run_dir, len(self.metrics.epochs)) from None
         if self.error is not None:
             self.stop()
         self._end()
@@ -433,7 +442,7 @@ class Job:
             return None
         self._watched = now
         getattr(self.backend, "sync_stacks", lambda force: None)(False)
-        ranks = read_ranks(self.run_dir, since=self.started_at)
+        ranks = self._ranks = read_ranks(self.run_dir, since=self.started_at)
         live = [r.still for r in ranks if r.state == "running"]
         if not live:
             self.waiting = None

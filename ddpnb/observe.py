@@ -318,7 +318,11 @@ class _Observer:
         self.write(record)
         stop = self.read_stop()
         if stop is None and self.want_stop(p):
-            stop = self.request_stop(n + 1, "steps" if self._epochs_done(p) else "seconds")
+            if self._epochs_done(p):
+                why = f"{self.steps_into_second} step(s) into epoch 2, where the check stops"
+            else:
+                why = f"after {self.train_seconds:g} s of training, the check's time limit"
+            stop = self.request_stop(n + 1, why)
         if stop is not None and (stop.get("step") is None or n >= stop["step"]):
             if n not in CHECKSUM_STEPS:
                 self.write({"kind": "params", "n": n, "params": self.checksum(optimizer)})

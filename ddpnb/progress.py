@@ -115,6 +115,11 @@ def make_progress(mode: str, job: Followed):
     return TextProgress(job) if mode == "text" else NoProgress()
 
 
+def _ranks_label(ranks: range) -> str:
+    """``rank 3`` for one rank, ``ranks 4-7`` for several."""
+    return f"rank {ranks.start}" if len(ranks) == 1 else f"ranks {ranks.start}-{ranks.stop - 1}"
+
+
 class NoProgress:
     def update(self) -> None:
         pass
@@ -220,7 +225,8 @@ class WidgetProgress:
         )
         self.status = w.HTML()
         self.waiting = w.HTML()  # the hang watch: a hang or a slow phase, named
-        self.plot = w.Image(format="png", layout=w.Layout(max_width="720px"))
+        # Hidden until its first picture: an empty image shows as a broken-image icon.
+        self.plot = w.Image(format="png", layout=w.Layout(max_width="720px", display="none"))
         # CSS classes name the parts for a reader of the page (and the browser test).
         for widget, name in [
             *((row, "ddpnb-node") for row in self.node_rows),
@@ -257,6 +263,7 @@ class WidgetProgress:
         self.update()
 
     def _set_nodes(self) -> None:
+        steps = getattr(self.job, "node_steps", dict)()  # optimizer steps, from the hang watch
         for n, state in self.job.node_status().items():
             color = STATUS_COLORS.get(state.split(" ")[0], "#888")
             ranks = range(n * self.job.nproc_per_node, (n + 1) * self.job.nproc_per_node)
@@ -265,6 +272,8 @@ class WidgetProgress:
             if hosts:
                 role = f" on {escape(hosts[n])}{role}"
             last = escape(self.job.last_line(n)[-90:])  # the node's latest output line
+            if n in steps:
+                last = f"{steps[n]} optimizer steps · {last}"
             elapsed = (self.job.ended_at or time.time()) - self.job.started_at
             html = (
                 f"<span style='display:inline-block;min-width:5.5em'>node {n}</span> "
@@ -272,7 +281,7 @@ class WidgetProgress:
                 f"display:inline-block;min-width:5em;text-align:center'>{state}</span> "
                 f"<span class='ddpnb-elapsed' style='display:inline-block;min-width:3.5em;"
                 f"text-align:right'>{elapsed:.0f} s</span> "
-                f"<span style='opacity:0.8'>ranks {ranks.start}-{ranks.stop - 1}{role}</span>"
+                f"<span style='opacity:0.8'>{_ranks_label(ranks)}{role}</span>"
                 f" <code class='ddpnb-last-line' style='opacity:0.7;font-size:85%;"
                 "white-space:nowrap;overflow:hidden;text-overflow:ellipsis;display:inline-block;"
                 f"max-width:42em;vertical-align:bottom'>{last}</code>"
@@ -309,6 +318,7 @@ class WidgetProgress:
         now = time.monotonic()
         if len(rows) != self.plotted and now - self.last_plot > PLOT_INTERVAL and rows:
             self.plot.value = self._render(rows)
+            self.plot.layout.display = None
             self.plotted = len(rows)
             self.last_plot = now
             self.plot_updates += 1

@@ -74,6 +74,9 @@ class Script:
             )
         names = [self.name, *(p.name for p in paths[1:]), *self.generated]
         names += [REPORTING_NAME, MESHCHECK_NAME]
+        for path in paths:
+            if path.suffix == ".py":
+                _compile(path)
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ConfigError(
@@ -120,3 +123,19 @@ def worker_script(config, path: str | os.PathLike | None = None) -> Script:
         rename="train_ddp.py",
         generated={"config.json": config.to_json().encode(), CONSTANTS_NAME: constants},
     )
+
+
+def _compile(path: Path) -> None:
+    """ConfigError naming the file, line and text of a syntax error (nothing has started)."""
+    source = path.read_bytes()
+    try:
+        compile(source, str(path), "exec", dont_inherit=True)
+    except SyntaxError as e:
+        text = (e.text or "").rstrip()
+        caret = " " * max((e.offset or 1) - 1 - (len(text) - len(text.lstrip())), 0) + "^"
+        raise ConfigError(
+            f"{path.name}, line {e.lineno}: SyntaxError: {e.msg}\n    {text.strip()}\n    {caret}\n"
+            "Fix the script and launch again: nothing was started."
+        ) from None
+    except ValueError as e:  # a null byte: not a Python file
+        raise ConfigError(f"{path}: not a Python source file ({e}).") from None

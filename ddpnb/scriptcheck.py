@@ -51,8 +51,9 @@ class Finding:
     """One mistake, with the evidence for it.
 
     ``number`` is the mistake's number in ``TITLES``; ``where`` is ``file:line`` in the
-    user's script; ``seen`` what the run showed (measured); ``why`` why it matters;
-    ``fix`` what to write instead.
+    user's script and ``source`` that line's text (a notebook's ``%%writefile`` cell counts
+    its magic line, so the text is what finds the line); ``seen`` what the run showed
+    (measured); ``why`` why it matters; ``fix`` what to write instead.
     """
 
     number: int
@@ -60,6 +61,7 @@ class Finding:
     seen: str
     why: str
     fix: str
+    source: str = ""
 
     @property
     def title(self) -> str:
@@ -116,6 +118,8 @@ class ScriptReport:
         out += [f"  {k.ljust(width)}  {v}" for k, v in self.facts.items()]
         for f in self.findings:
             out += ["", f"Mistake {f.number}: {f.title}  [{f.where}]"]
+            if f.source:
+                out += [f"  line  {f.source}"]
             for label, text in (("seen", f.seen), ("why", f.why), ("fix", f.fix)):
                 out += textwrap.wrap(
                     text, 96, initial_indent=f"  {label:5}", subsequent_indent=" " * 7
@@ -129,16 +133,27 @@ class ScriptReport:
 
     def _repr_html_(self) -> str:
         e = html.escape
+        left = "style='text-align:left;vertical-align:top'"
+        code = "style='text-align:left;vertical-align:top;font-family:var(--jp-code-font-family,monospace)'"
         rows = "".join(
-            f"<tr><td>{f.number}</td><td><b>{e(f.title)}</b></td><td><code>{e(f.where)}</code>"
-            f"</td><td>{e(f.seen)}</td><td>{e(f.why)}</td><td>{e(f.fix)}</td></tr>"
-            for f in self.findings
+            f"<tr><td {left}>{i}</td><td {left}><b>{e(f.title)}</b><br>"
+            f"<small>mistake {f.number}</small></td><td {left}><code>{e(f.where)}</code>"
+            + (f"<br><code>{e(f.source)}</code>" if f.source else "")
+            + f"</td><td {left}>{e(f.seen)}</td><td {left}>{e(f.why)}</td>"
+            f"<td {code}>{e(f.fix)}</td></tr>"
+            for i, f in enumerate(self.findings, 1)
         )
         head = "".join(
-            f"<th>{h}</th>" for h in ("#", "finding", "where", "seen", "why it matters", "fix")
+            f"<th {left}>{h}</th>"
+            for h in ("#", "finding", "where", "seen", "why it matters", "fix")
         )
-        findings = f"<table><tr>{head}</tr>{rows}</table>" if rows else "<p>No mistake found.</p>"
-        facts = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in self.facts.items())
+        none = (
+            "No mistake found." if self.unchecked is None else f"Could not check: {self.unchecked}."
+        )
+        findings = f"<table><tr>{head}</tr>{rows}</table>" if rows else f"<p>{e(none)}</p>"
+        facts = "".join(
+            f"<tr><th {left}>{e(k)}</th><td {left}>{e(v)}</td></tr>" for k, v in self.facts.items()
+        )
         checked = "".join(f"<li>{e(n)}</li>" for n in self.checked)
         error = f"<p>The script could not run:</p><pre>{e(self.error)}</pre>" if self.error else ""
         return (
@@ -375,6 +390,7 @@ def analyse(
             checked += notes
     found, notes = _stall(ranks, hung, run_dir)
     findings, checked = findings + found, checked + notes
+    findings = [dataclasses.replace(f, source=_line_text(run_dir, f.where)) for f in findings]
     findings.sort(key=lambda f: f.number)
     ends = sorted({e["reason"] for r in ranks for e in r["end"]})
     if hung is not None:
@@ -950,14 +966,19 @@ def _order_finding(i: int, calls: dict, seqs: dict, run_dir: Path) -> Finding:
     )
 
 
-def _quoted(run_dir: Path, at: str) -> str:
-    """``file:line (the line's text)``, so that a reader finds the line without counting."""
+def _line_text(run_dir: Path, at: str) -> str:
+    """The text of line ``file:line`` of the script's files ("" where there is none)."""
     name, _, line = at.rpartition(":")
     try:
-        text = (run_dir / name).read_text().splitlines()[int(line) - 1].strip()
+        return (run_dir / name).read_text().splitlines()[int(line) - 1].strip()
     except (OSError, ValueError, IndexError):
-        return at
-    return f"{at} ({text})"
+        return ""
+
+
+def _quoted(run_dir: Path, at: str) -> str:
+    """``file:line (the line's text)``, so that a reader finds the line without counting."""
+    text = _line_text(run_dir, at)
+    return f"{at} ({text})" if text else at
 
 
 def _spawn(ranks: list[_Rank], world: int, *, run_dir: Path) -> tuple[list[Finding], list[str]]:

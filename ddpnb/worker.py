@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(cfg["seed"])  # identical init everywhere (DDP also broadcasts rank 0's)
     model, weights_note = build_model(cfg, data.num_classes)  # Part 2: torchvision, new head
+    torch.manual_seed(cfg["seed"] + me.global_rank)  # augmentation: each rank its own draws
     model = wrap_model(model.to(device), cfg, me, device)
     raw_model = model.module if isinstance(model, DDP) else model  # checkpoints load without DDP
     optimizer, scheduler = make_optimizer(model, cfg, data.steps_per_epoch)  # Part 2: SGD
@@ -122,8 +123,8 @@ def who_am_i() -> Rank:
         local_rank=int(env.get("LOCAL_RANK", 0)),  # 0 .. on this node: picks the GPU
         world_size=int(env.get("WORLD_SIZE", 1)),  # processes in the whole run
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),  # processes on this node
-        node_rank=int(env.get("GROUP_RANK", 0)),  # this node; node 0 hosts the rendezvous
-        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),  # torchrun restarts
+        node_rank=int(env.get("GROUP_RANK", 0)),  # this node: --node_rank, or c10d's choice
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),  # this agent's restarts
     )
 
 
@@ -391,10 +392,16 @@ def cpu_share(me: Rank) -> int:
 
 
 def attempt_store(restart_count: int, timeout: datetime.timedelta) -> dist.Store:
-    """torchrun's rendezvous store, seen through a key prefix of this attempt's own."""
+    """The store torchrun shares with the workers, seen through a prefix per attempt."""
     # torchrun's static rendezvous keeps one store for every attempt: after a restart the
     # new workers would read the dead workers' addresses from it and hang. A prefix per
-    # attempt gives each attempt clean keys.
+    # attempt gives each attempt clean keys, if every node agrees on the attempt.
+    # TORCHELASTIC_RESTART_COUNT counts the restarts of this node's agent after its own
+    # workers failed, not the run's. Static rendezvous (ddpnb's simulated nodes, SSH
+    # hosts): a failure breaks every node's collectives, so every node's workers fail and
+    # each agent counts it once; the prefixes agree. c10d (ddpnb's Slurm script): an agent
+    # also restarts healthy workers, uncounted, when a failed node rejoins, so the counts
+    # can differ, and ranks with different prefixes wait for each other until the timeout.
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
@@ -528,6 +535,7 @@ class Records:
             # The order this rank drew (a DistributedSampler's; None for any other sampler).
             "order_hash": index_order_hash(sampler) if hasattr(sampler, "set_epoch") else None,
             "param_checksum": parameter_checksum(self.model),  # equal on every rank
+            "rng_checksum": rng_checksum(),  # the stream augmentation draws from: per rank
         }
         append_jsonl(self.rank_path, row)
         self.busy = self.comm = 0.0
@@ -1016,10 +1024,21 @@ def make_sgd(params, cfg: dict) -> torch.optim.Optimizer:
 
 
 def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
-    """Load the last checkpoint, if any (also after a torchrun restart): the first epoch to run."""
-    if not path.exists():
+    """Load the last checkpoint, if any (also after a torchrun restart): the first epoch to run.
+
+    Only global rank 0 writes checkpoints, so only node 0's disk surely holds the last one
+    (hosts without a shared folder each have their own run directory): rank 0 reads it and
+    sends it to every rank, and every rank continues from the same state.
+    """
+    ckpt = None
+    if me.master_process and path.exists():
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if me.distributed:  # a collective: every rank takes part, whether there is one or not
+        box = [ckpt]
+        dist.broadcast_object_list(box, src=0)
+        ckpt = box[0]
+    if ckpt is None:
         return 1
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
     check_checkpoint_fits(ckpt, path, cfg, fingerprint)  # same config, same dataset
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
@@ -1028,7 +1047,8 @@ def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
     # them); with another world size the per-epoch seeds still hold.
     if isinstance(ckpt["rng"], list) and len(ckpt["rng"]) == me.world_size:
         set_rng_state(ckpt["rng"][me.global_rank], next(model.parameters()).is_cuda)
-    me.log(f"resumed from {path} after epoch {ckpt['epoch']}")
+    sent = "" if me.master_process else " (node 0's, sent by rank 0)"
+    me.log(f"resumed from {path}{sent} after epoch {ckpt['epoch']}")
     return ckpt["epoch"] + 1
 
 
@@ -1137,6 +1157,11 @@ def keep_epochs_upto(path: Path, last_epoch: int) -> None:
 def index_order_hash(indices) -> str:
     """16 hex digits of sha256 over an index order: equal orders, equal hashes."""
     return hashlib.sha256(",".join(map(str, indices)).encode()).hexdigest()[:16]
+
+
+def rng_checksum() -> str:
+    """16 hex digits of sha256 over this process's torch random generator state."""
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
 
 
 def parameter_checksum(model: nn.Module) -> str:

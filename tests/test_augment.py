@@ -123,3 +123,19 @@ def test_photos_and_big_datasets_stay_decoded_per_load(tiny_data, monkeypatch):
     monkeypatch.setattr(worker, "DECODED_BYTES", 3 * 16 * 16 * (len(train) + len(val)) - 1)
     (train, val), decoded = splits(tiny_data, "none")
     assert decoded == (train, val)
+
+
+@pytest.mark.slow
+def test_each_rank_draws_its_own_augmentation(tiny_data, tmp_path):
+    """Rank r's k-th image is not rotated, shifted and scaled as rank 0's k-th image is."""
+    cfg = tiny_config(tiny_data, epochs=1, max_steps_per_epoch=2, augment="digits")
+    job = ddpnb.launch(cfg, tmp_path / "run", nnodes=1, nproc_per_node=2, progress="none")
+    first = {rank: records[0] for rank, records in job.metrics.ranks.items()}
+    assert first[0]["rng_checksum"] != first[1]["rng_checksum"]  # two streams
+    assert first[0]["param_checksum"] == first[1]["param_checksum"]  # one model
+    # The draws themselves: the worker's seeding, then its batched random affine.
+    draws = []
+    for rank in (0, 1):
+        torch.manual_seed(cfg.seed + rank)  # as main() seeds each rank after the model
+        draws.append(worker.random_affine(torch.rand(4, 3, 16, 16).fill_(0.5), 10, 0.1, (0.9, 1.1)))
+    assert not torch.equal(draws[0], draws[1])

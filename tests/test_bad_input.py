@@ -104,3 +104,17 @@ def test_read_only_run_dir(tiny_data, tmp_path):
     with tmpfs(ro, "ro,size=1m"):
         with pytest.raises(RunDirError, match="not writable.*Read-only file system"):
             ddpnb.launch(tiny_config(tiny_data), ro / "run", nnodes=1)
+
+
+@pytest.mark.parametrize("broken", ["script", "file"])
+def test_a_syntax_error_is_named_before_anything_starts(tmp_path, broken):
+    """The script and the .py files shipped with it are compiled first: file, line, text."""
+    good = "import torch\nprint(torch.ones(1))\n"
+    bad = "import torch\nx = [1,\n     2\nprint(x)\n"
+    (tmp_path / "train.py").write_text(bad if broken == "script" else good)
+    (tmp_path / "helpers.py").write_text(bad if broken == "file" else good)
+    script = ddpnb.Script(tmp_path / "train.py", files=[tmp_path / "helpers.py"])
+    name = "train.py" if broken == "script" else "helpers.py"
+    with pytest.raises(ConfigError, match=rf"{name}, line 2: SyntaxError: '\[' was never closed"):
+        ddpnb.launch(script, tmp_path / "run", nnodes=2, progress="none")
+    assert not (tmp_path / "run").exists()  # nothing written, nothing started

@@ -18,7 +18,8 @@ from ddpnb.job import _alive
 from ddpnb.preflight import free_port
 
 pytestmark = pytest.mark.slow
-DRILL = dict(epochs=3, threads=1)  # threads fixed: both runs compute in the same order
+# threads fixed: both runs compute in the same order; digits augmentation draws per rank
+DRILL = dict(epochs=3, threads=1, augment="digits")
 
 
 def _epochs(run_dir: Path) -> list[int]:
@@ -59,6 +60,12 @@ def test_restart_resumes_and_matches_the_uninterrupted_run(tiny_data, tmp_path):
         assert b["val_acc"] == pytest.approx(a["val_acc"], abs=0.01)  # the 1 point
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
     assert rows[-1]["val_acc"] == clean.metrics.final["val_acc"]
+    # Each rank's augmentation stream: its own, and after the restart where it would be.
+    for rank, records in faulty.metrics.ranks.items():
+        assert [r["rng_checksum"] for r in records] == [
+            r["rng_checksum"] for r in clean.metrics.ranks[rank]
+        ]
+    assert clean.metrics.ranks[0][0]["rng_checksum"] != clean.metrics.ranks[1][0]["rng_checksum"]
 
     fig = ddpnb.plot_curves([tmp_path / "clean", tmp_path / "fault"], labels=["clean", "fault"])
     markers = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_label() == "fault: restart"]

@@ -188,6 +188,32 @@ def test_submit_pending_running_requeued_done(slurm, tiny_data, tmp_path, layout
     assert _squeue(job.job_id) == ""
 
 
+def test_a_torchrun_restart_under_c10d_meets_again(slurm, tiny_data, tmp_path):
+    """Rank 1 is killed in epoch 2; under c10d only its agent counts a restart, yet the
+    nodes meet in the next round (each round's own store) and the run resumes."""
+    cfg = tiny_config(tiny_data, epochs=3, **ONE_THREAD)
+    job = submit_slurm(
+        cfg,
+        tmp_path / "r",
+        nnodes=2,
+        max_restarts=1,
+        progress="none",
+        env={"DDPNB_FAULT": "rank=1,epoch=2,step=2"},
+    )
+    assert [r["epoch"] for r in job.metrics.epochs] == [1, 2, 3]
+    assert max(r["restart_count"] for recs in job.metrics.ranks.values() for r in recs) == 1
+    assert "DDPNB_FAULT: kill at epoch 2 step 2" in job.log_tail(1, 400)
+    for epoch in (1, 2, 3):  # one model on both nodes after every epoch
+        sums = {
+            r["param_checksum"]
+            for recs in job.metrics.ranks.values()
+            for r in recs
+            if r["epoch"] == epoch
+        }
+        assert len(sums) == 1, (epoch, sums)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in (job.run_dir / "train.sbatch").read_text()
+
+
 # -- failures --------------------------------------------------------------------------------
 
 

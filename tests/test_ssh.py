@@ -105,6 +105,46 @@ def test_no_shared_filesystem_copies_out_and_brings_back(hosts, tiny_data, tmp_p
         shutil.rmtree(run, ignore_errors=True)
 
 
+def _checksums_agree(metrics) -> None:
+    """After every epoch, every rank held the same weights."""
+    by_epoch = {}
+    for records in metrics.ranks.values():
+        for r in records:
+            by_epoch.setdefault(r["epoch"], set()).add(r["param_checksum"])
+    assert all(len(sums) == 1 for sums in by_epoch.values()), by_epoch
+
+
+def test_resume_and_a_restart_without_the_shared_filesystem(hosts, tiny_data, tmp_path):
+    """Only node 0's disk holds the checkpoint: rank 0 sends it to every rank."""
+    run = hosts.private_root / f"resume-{os.getpid()}"
+    try:
+        cfg = tiny_config(tiny_data, threads=1, epochs=2)
+        _launch(hosts, cfg, run, hosts.private)
+        listing = hosts.in_private(1, ["ls", str(run)])
+        assert "checkpoints" not in listing.stdout.split()  # node 1 never had one
+        job = _launch(hosts, cfg.replace(epochs=3), run, hosts.private, resume=True)
+        assert [r["epoch"] for r in job.metrics.epochs] == [1, 2, 3]  # each once
+        assert "(node 0's, sent by rank 0) after epoch 2" in job.log_tail(1, 400)
+        _checksums_agree(job.metrics)
+        # A torchrun restart on such hosts: rank 1 is killed in epoch 2 and restarts.
+        restarted = _launch(
+            hosts,
+            cfg.replace(epochs=3),
+            run / "restart",
+            hosts.private,
+            max_restarts=1,
+            env={"DDPNB_FAULT": "rank=1,epoch=2,step=2"},
+        )
+        rows = restarted.metrics.epochs
+        assert [r["epoch"] for r in rows] == [1, 2, 3]
+        assert [r["restart_count"] for r in rows] == [0, 1, 1]
+        assert "after epoch 1" in restarted.log_tail(1, 400)
+        _checksums_agree(restarted.metrics)
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    assert not _no_leftovers(hosts)
+
+
 def test_a_worker_that_raises_names_its_host(hosts, tiny_data, tmp_path):
     cfg = tiny_config(tiny_data, threads=1, epochs=3)
     start = time.time()
@@ -220,7 +260,7 @@ def test_the_launcher_ending_ends_every_host(hosts, tiny_data, tmp_path, how):
             assert launcher.wait(timeout=10) == 128 + signal.SIGTERM
         if how == "sigint":
             _, err = launcher.communicate(timeout=10)
-            assert "KeyboardInterrupt" in err and "Interrupted: stopped every process" in _
+            assert "RunInterrupted: the run in" in err and "no process of it is left" in err
     finally:
         if launcher.poll() is None:
             launcher.kill()
