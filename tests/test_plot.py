@@ -152,3 +152,19 @@ def test_a_log_loss_axis_labels_one_two_five_of_each_decade():
     low, high = ax.get_ylim()
     shown = [t.get_text() for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high]
     assert {"2", "5", "10", "20", "50", "100"} <= set(shown), shown  # a tick beside the 2
+
+
+def test_a_log_loss_axis_within_one_decade_has_several_labels():
+    """A loss between 0.07 and 0.18 (notebook 09's): more than the single label 0.1."""
+    from matplotlib.figure import Figure
+
+    from ddpnb.plot import label_log_axis
+
+    ax = Figure().subplots()
+    ax.plot([1, 2, 3], [0.18, 0.1, 0.07])
+    ax.set_yscale("log")
+    label_log_axis(ax)
+    ax.figure.canvas.draw()
+    low, high = ax.get_ylim()
+    shown = [t.get_text() for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high]
+    assert {"0.07", "0.1"} <= set(shown) and len(shown) >= 3, shown
