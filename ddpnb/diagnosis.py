@@ -56,6 +56,22 @@ def read_error_file(path: Path) -> dict | None:
     }
 
 
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)$', re.M)
+
+
+def script_line(traceback: str, run_dir: Path) -> str:
+    """`` at train.py:12 in step`` for the traceback's innermost frame of the script's own
+    files (those in the run directory, not in an installed package); "" when none is."""
+    frames = [m for m in _FRAME.finditer(traceback) if "site-packages" not in m.group(1)]
+    folder = str(Path(run_dir).resolve()) + "/"
+    mine = [m for m in frames if m.group(1).startswith(folder)] or frames
+    if not mine:
+        return ""
+    path, line, func = mine[-1].groups()
+    name = path[len(folder) :] if path.startswith(folder) else Path(path).name
+    return f" at {name}:{line} in {func}"
+
+
 def first_failed_rank(text: str) -> int | None:
     """The first failed global rank in torchrun's failure summary, if any."""
     m = re.search(r"^\s*rank\s*:\s*(\d+) \(local_rank", text, re.M)
@@ -273,8 +289,9 @@ def diagnose_failure(
         _, node, rank, info = errors[0]
         exit_code = worker_exit_code(log_tail(run_dir, node, 200), rank)
         return WorkerFailed(
-            f"Worker global rank {rank} on node {node} failed (exit code {exit_code}): "
-            f"{info['message']}. The other nodes were stopped.",
+            f"Worker global rank {rank} on node {node} failed (exit code {exit_code})"
+            f"{script_line(info['traceback'], run_dir)}: {info['message']}. The other nodes "
+            "were stopped.",
             node_rank=node,
             global_rank=rank,
             exit_code=exit_code,

@@ -59,3 +59,19 @@ def test_torchrun_rendezvous_timeout_in_the_log(tmp_path):
     )
     err = diagnose_failure(tmp_path, TOPO, [0], {0: 1}, started_at=time.time())
     assert isinstance(err, RendezvousTimeout) and "(1 of 2 nodes joined)" in str(err)
+
+
+def test_the_failing_line_of_the_script_leads(tmp_path):
+    """The innermost frame in the run directory, not torch's nor torchrun's."""
+    from ddpnb.diagnosis import script_line
+
+    run = tmp_path / "run"
+    tb = (
+        "Traceback (most recent call last):\n"
+        f'  File "{run}/train.py", line 24, in <module>\n    main()\n'
+        f'  File "{run}/train.py", line 12, in train_step\n    raise ValueError(x)\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/x.py", line 5, in f\n    g()\n'
+        "ValueError: bad batch\n"
+    )
+    assert script_line(tb, run) == " at train.py:12 in train_step"
+    assert script_line("no frames here", run) == ""
