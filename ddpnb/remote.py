@@ -35,7 +35,7 @@ from .hang import WATCH_DIR
 from .job import Job, Processes, open_lifeline
 from .log import logger
 from .network import check_network
-from .plan import FIRST_HOST, Plan
+from .plan import FIRST_HOST
 from .preflight import as_config, check_run
 from .report import Table
 from .rundir import PRODUCTS
@@ -481,24 +481,31 @@ def ssh_commands(
     ssh_options: Sequence[str] = (),
     python: str | None = None,
 ) -> list[str]:
-    """What ``launch(hosts=...)`` runs on each host (the agent's source abbreviated).
+    """One line per host to paste into a terminal: ssh to it, go to ``run_dir``, run torchrun.
 
-    Nothing is started and no host is contacted (``ssh -G`` only reads the client
-    config). Shown for a shared filesystem: run_dir at the same path on every host.
+    The script and its files must already be at ``run_dir`` on every host (a shared
+    filesystem, or copied there). ``python``: the hosts' interpreter, which then runs
+    torchrun as ``python -m torch.distributed.run``; default ``torchrun`` from the hosts'
+    PATH. ``launch(hosts=...)`` runs the same torchrun line under ddpnb's small agent, which
+    stops the node when the launcher ends. Nothing is started and no host is contacted
+    (``ssh -G`` only reads the client config).
 
     Example
     -------
-    >>> ssh_commands(TrainConfig(), "/shared/run", ["gpu1", "gpu2"])[1]   # doctest: +SKIP
-    "ssh -o BatchMode=yes ... -T -- gpu2 'cd /shared/run && exec env ... --node_rank=1 ...'"
+    >>> ssh_commands(Script("train.py"), "/shared/run", ["gpu1", "gpu2"])[1]   # doctest: +SKIP
+    "ssh -t -- gpu2 'cd /shared/run && torchrun --nnodes=2 --node_rank=1 ... /shared/run/train.py'"
     """
+    from .cluster import node_commands
+
     parsed = parse_hosts(hosts)
     ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
-    python = python or sys.executable
-    topology = Topology(len(parsed), nproc_per_node, ssh.hostname(parsed[0]), master_port)
-    plan = Plan(what, topology, progress="none", env=None)
-    env = {LIFELINE_ENV: "0", **plan.node_env(str(run_dir), nproc_per_node)}
-    env.pop("OMP_NUM_THREADS", None)  # each host's own share of its cores, known at launch
-    return [
-        agent_command(ssh, host, python, str(run_dir), topology, n, env, plan.script)[1]
-        for n, host in enumerate(parsed)
-    ]
+    addresses = [ssh.hostname(h) for h in parsed]
+    lines = node_commands(what, run_dir, addresses, nproc_per_node, master_port)
+    launcher = shlex.join([python, "-m", "torch.distributed.run"]) if python else "torchrun"
+    out = []
+    for host, line in zip(parsed, lines):
+        remote = f"cd {shlex.quote(str(run_dir))} && {launcher}{line[len('torchrun') :]}"
+        cmd = ["ssh", *(["-F", str(ssh.config)] if ssh.config else []), *ssh.options]
+        cmd += [*(["-p", str(host.port)] if host.port else []), "-t", "--", host.destination]
+        out.append(shlex.join([*cmd, remote]))
+    return out

@@ -310,7 +310,9 @@ def test_07_real_machines_without_hosts(executed):
     assert "hosts is empty: nothing was started." in printed
     assert not (out / "real").exists()  # no run directory: nothing started
     assert _images(out / "07_real_machines.ipynb") == 1
-    assert "-- gpu2  # runs, on that host:" in printed and "--node_rank=1 \\\n" in printed
+    # Lines to paste: ssh, the run directory, torchrun; nothing internal, no placeholder.
+    assert "# node 1:\nssh -t -- gpu2 'cd " in printed and " --node_rank=1 " in printed
+    assert "DDPNB_" not in printed and "<ddpnb agent>" not in printed
 
 
 @pytest.mark.slow
@@ -331,7 +333,8 @@ def test_09_your_own_script(executed):
     assert [r["epoch"] for r in run.epochs] == [1, 2, 3, 4, 5]
     assert all(r["world_size"] == 2 for r in run.epochs) and run.final["val_acc"] > 0.9
     assert (out / "own" / "model.pt").is_file()  # rank 0 wrote it in its working directory
-    assert "-- gpu2  # runs, on that host:" in printed and "srun" in printed
+    assert "# node 1:\nssh -t -- gpu2 'cd /shared/runs/own && torchrun " in printed
+    assert "DDPNB_" not in printed and "srun" in printed
 
 
 @pytest.mark.slow

@@ -409,3 +409,27 @@ def test_a_hang_on_hosts_without_the_shared_filesystem_is_named_by_host(hosts, t
         job.stop()
         shutil.rmtree(run, ignore_errors=True)
     assert not _no_leftovers(hosts)
+
+
+def test_the_printed_ssh_lines_work_when_pasted(hosts, tmp_path):
+    """ssh_commands' lines, run by a shell as a user would paste them, one per host."""
+    run = tmp_path / "pasted run"  # a space: the lines quote it
+    run.mkdir()
+    for name in ("linear.py", "datautils.py"):
+        shutil.copy(OWN / name, run / name)
+    script = ddpnb.Script(OWN / "linear.py", args=["1", "x y"], files=[OWN / "datautils.py"])
+    lines = ddpnb.ssh_commands(
+        script, run, hosts.names, ssh_config=hosts.ssh_config, python=sys.executable
+    )
+    assert all("DDPNB_" not in line and "<ddpnb agent>" not in line for line in lines)
+    shells = [
+        subprocess.Popen(
+            ["bash", "-c", line], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for line in lines
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in shells]
+    assert [p.returncode for p in shells] == [0, 0], outs
+    assert "rank 0 of 2 args ['1', 'x y']" in outs[0] and "rank 1 of 2" in outs[1]
+    assert (run / "model.pt").is_file()
+    assert not _no_leftovers(hosts)
