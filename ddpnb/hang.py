@@ -148,6 +148,9 @@ class Verdict:
     kind: str
     message: str
     quiet_for: float = 0.0
+    # For a hang: "different" collectives, a rank "ended", "spawn" under torchrun, or the
+    # "same" collective on every rank (a peer or the network stopped answering).
+    cause: str = ""
 
     @property
     def title(self) -> str:
@@ -183,6 +186,7 @@ def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
             quiet_for,
         )
     spawn = [r for r in waiting if r.waits_in.startswith("torch.multiprocessing.spawn")]
+    cause = "spawn" if spawn else "ended" if ended else "different"
     if spawn:
         why = (
             f"{_ranks(spawn)} started processes of their own with torch.multiprocessing.spawn "
@@ -205,12 +209,13 @@ def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
             "in its loop). Call every collective on every rank, in the same order."
         )
     else:
+        cause = "same"
         why = (
-            "every rank waits in the same collective and it does not complete: earlier "
-            "collectives paired up wrongly (one rank called one more), or the network "
-            "between the nodes stopped."
+            "every rank waits in the same collective and it does not complete: a node or "
+            "the network between the nodes stopped answering (or earlier collectives paired "
+            "up wrongly: one rank called one more)."
         )
-    return Verdict("hang", f"{quiet}: {why}", quiet_for)
+    return Verdict("hang", f"{quiet}: {why}", quiet_for, cause)
 
 
 def _ranks(ranks: list[RankState]) -> str:

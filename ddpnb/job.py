@@ -452,6 +452,10 @@ class Job:
         self.waiting = found if found.kind != "ok" else None
         if found.kind != "hang" or self.on_hang != "stop":
             return None
+        if found.cause == "same" and self.config is not None:
+            # ddpnb's worker gives its collectives a timeout of its own (timeout_seconds):
+            # when it ends them, the diagnosis names the node that stopped answering.
+            return None
         first = next(r for r in ranks if r.state == "running")
         return RunHung(
             f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' keeps it "
