@@ -480,13 +480,16 @@ def ssh_commands(
     ssh_config: str | os.PathLike | None = None,
     ssh_options: Sequence[str] = (),
     python: str | None = None,
+    network=None,
 ) -> list[str]:
     """One line per host to paste into a terminal: ssh to it, go to ``run_dir``, run torchrun.
 
     The script and its files must already be at ``run_dir`` on every host (a shared
     filesystem, or copied there). ``python``: the hosts' interpreter, which then runs
     torchrun as ``python -m torch.distributed.run``; default ``torchrun`` from the hosts'
-    PATH. ``launch(hosts=...)`` runs the same torchrun line under ddpnb's small agent, which
+    PATH. ``network``: :func:`check_hosts`' ``rows.network``, whose interface variables
+    (``GLOO_SOCKET_IFNAME``...) each line then sets: a host whose name resolves to loopback
+    needs them. ``launch(hosts=...)`` runs the same torchrun line under ddpnb's small agent, which
     stops the node when the launcher ends. Nothing is started and no host is contacted
     (``ssh -G`` only reads the client config).
 
@@ -503,8 +506,10 @@ def ssh_commands(
     lines = node_commands(what, run_dir, addresses, nproc_per_node, master_port)
     launcher = shlex.join([python, "-m", "torch.distributed.run"]) if python else "torchrun"
     out = []
-    for host, line in zip(parsed, lines):
-        remote = f"cd {shlex.quote(str(run_dir))} && {launcher}{line[len('torchrun') :]}"
+    for n, (host, line) in enumerate(zip(parsed, lines)):
+        env = network.env(n) if network is not None else {}
+        prefix = shlex.join(["env", *(f"{k}={v}" for k, v in env.items())]) + " " if env else ""
+        remote = f"cd {shlex.quote(str(run_dir))} && {prefix}{launcher}{line[len('torchrun') :]}"
         cmd = ["ssh", *(["-F", str(ssh.config)] if ssh.config else []), *ssh.options]
         cmd += [*(["-p", str(host.port)] if host.port else []), "-t", "--", host.destination]
         out.append(shlex.join([*cmd, remote]))

@@ -418,8 +418,14 @@ def test_the_printed_ssh_lines_work_when_pasted(hosts, tmp_path):
     for name in ("linear.py", "datautils.py"):
         shutil.copy(OWN / name, run / name)
     script = ddpnb.Script(OWN / "linear.py", args=["1", "x y"], files=[OWN / "datautils.py"])
+    rows = ddpnb.check_hosts(None, hosts.names, ssh_config=hosts.ssh_config)
     lines = ddpnb.ssh_commands(
-        script, run, hosts.names, ssh_config=hosts.ssh_config, python=sys.executable
+        script,
+        run,
+        hosts.names,
+        ssh_config=hosts.ssh_config,
+        python=sys.executable,
+        network=rows.network,  # each host's interface toward node 0, as launch sets it
     )
     assert all("DDPNB_" not in line and "<ddpnb agent>" not in line for line in lines)
     shells = [
@@ -428,7 +434,12 @@ def test_the_printed_ssh_lines_work_when_pasted(hosts, tmp_path):
         )
         for line in lines
     ]
-    outs = [p.communicate(timeout=120)[0] for p in shells]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in shells]
+    finally:
+        for p in shells:
+            if p.poll() is None:
+                p.kill()
     assert [p.returncode for p in shells] == [0, 0], outs
     assert "rank 0 of 2 args ['1', 'x y']" in outs[0] and "rank 1 of 2" in outs[1]
     assert (run / "model.pt").is_file()
