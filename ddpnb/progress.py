@@ -209,6 +209,7 @@ class WidgetProgress:
         self.plotted = -1
         self.last_plot = 0.0
         self.plot_updates = 0
+        self.busy_said = 0.0
         self.title = w.HTML(f"<b>{_start_line(job)}</b>")
         self.node_rows = [w.HTML() for _ in range(job.nnodes)]
         bar_layout = w.Layout(width="60%")
@@ -301,7 +302,26 @@ class WidgetProgress:
         if self.waiting.value != html:
             self.waiting.value = html
 
+    def _say_busy(self) -> None:
+        """Tell JupyterLab again that this cell's kernel is busy (at most once a second).
+
+        JupyterLab sends the panel's widget messages through a kernel subshell, and the
+        subshell reports itself idle after each one: the status bar then reads "Idle" while
+        this cell still runs. A status message for the running cell puts it right.
+        """
+        now = time.monotonic()
+        if now - self.busy_said < 1.0:
+            return
+        self.busy_said = now
+        shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+        kernel = getattr(shell, "kernel", None)
+        try:
+            kernel._publish_status("busy", "shell")  # the running cell's request is the parent
+        except Exception:  # another kernel, or an ipykernel without it: only the label is off
+            pass
+
     def update(self) -> None:
+        self._say_busy()
         self._set_nodes()
         self._set_waiting()
         prog = read_progress(self.job.run_dir)

@@ -53,7 +53,10 @@ PANEL_JS = """scope => {
     return bar ? bar.style.width : null;
   };
   const img = panel.querySelector('img.ddpnb-plot');
+  const bar = document.querySelector('#jp-main-statusbar');
   return {
+    kernel: bar ? bar.innerText : '',
+    broken: !!(img && img.offsetParent !== null && !(img.complete && img.naturalWidth > 0)),
     rows: [...panel.querySelectorAll('.ddpnb-node')].map(e => e.innerText.trim()),
     epoch: fill('.ddpnb-epoch-bar'),
     step: fill('.ddpnb-step-bar'),
@@ -233,6 +236,10 @@ def test_run_all_shows_live_panel_plot_and_final_curves(lab, page):
     assert "master" in final["rows"][0]
     assert final["epoch"] == final["step"] == "100%", final
     assert "finished" in final["status"]
+    running = [s for s in samples if _states(s) == {"running"}]
+    idle = [s["kernel"] for s in running if "| Busy" not in s["kernel"]]
+    assert running and not idle, f"the status bar read {idle[:3]} while the nodes trained"
+    assert not [s for s in samples if s["broken"]], "a broken image showed in the panel"
     while_running = {s["plot"] for s in samples if s["plot"] and _states(s) == {"running"}}
     assert len(while_running) >= 2, f"the live plot changed {len(while_running)} time(s)"
     print(f"live plot redrawn {len(while_running)} times while the nodes were running")
@@ -301,6 +308,11 @@ def test_dark_theme_four_nodes_and_stop_button_ends_every_process(lab, page):
         f"{VISIBLE} .jp-CodeCell", has=page.locator(".jp-InputArea", has_text="ddpnb.launch(")
     )
     launch_cell.locator(".jp-OutputArea-output", has_text="KeyboardInterrupt").wait_for()
+    # One short message: stopped, nothing left, how to resume; no traceback through ddpnb.
+    said = launch_cell.locator(".jp-OutputArea").inner_text()
+    assert "KeyboardInterrupt: the run in" in said and "no process of it is left" in said, said
+    for frame in ("job.py", "launch.py", "wait() again", "Traceback"):
+        assert frame not in said, said
     state = page.evaluate(PANEL_JS, VISIBLE)
     _shot(page, "03-dark-4nodes-stopped.png")
     assert _states(state) == {"stopped"}, state["rows"]
