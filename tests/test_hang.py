@@ -202,3 +202,30 @@ def test_ddpnb_stacks_on_no_run_says_which(tmp_path, make, says):
     )
     assert out.returncode == 2 and says in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_ddpnb_stacks_names_a_node_that_stopped_reporting(tmp_path):
+    """One node's ranks report, the other's last snapshot is old: that host is named."""
+    import json
+    import os
+
+    watch = tmp_path / ".ddpnb" / "watch"
+    watch.mkdir(parents=True)
+    (tmp_path / "logs").mkdir()
+    now = time.time()
+    for rank, (host, age) in enumerate((("gpu1", 1.0), ("gpu2", 40.0))):
+        snapshot = {
+            "rank": rank, "local_rank": 0, "node": rank, "world_size": 2, "restart": 0,
+            "host": host, "pid": os.getpid(), "state": "running", "seq": 5, "time": now - age,
+            "still": 1.0, "steps": 3, "process_group": True, "interval": 2.0, "stack": [],
+        }  # fmt: skip
+        (watch / f"rank-{rank}.json").write_text(json.dumps(snapshot))
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpnb", "stacks", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out
+    assert "node 1 (gpu2)" in out.stderr and "stopped reporting" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
