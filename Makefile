@@ -8,11 +8,11 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# PYTHONWARNINGS: setuptools warns that a folder named like the package may shadow it on
+# import; here that folder is the package itself (an editable install of this clone).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-	# setuptools warns that a folder named like the package may shadow it on import: here
-	# that folder is the package itself (an editable install of this clone), so it is quiet.
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet "torch==2.14.1" \
 		"torchvision==0.29.1" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import ddpnb, torch, torchvision, papermill, ipywidgets, sklearn"
