@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from .errors import RunDirError
+from .script import HOOKS_DIR  # in the run directory: ddpnb's hooks, on every worker's PYTHONPATH
 
-HOOKS_DIR = ".ddpnb"  # in the run directory: ddpnb's hooks, on every worker's PYTHONPATH
 WATCH_DIR = Path(HOOKS_DIR) / "watch"  # the ranks' snapshots
 # What the hooks folder holds: its name there, and the package file it is a copy of.
 HOOKS = {

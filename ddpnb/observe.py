@@ -177,7 +177,9 @@ class _Observer:
         self.lock = threading.RLock()
         self.pid = os.getpid()
         self.file = open(os.path.join(folder, f"rank-{self.rank}.jsonl"), "a", buffering=1)
-        self.user_dir: str | None = None
+        # The user's files: the run directory's (the working directory at start), wherever
+        # the script is in it; the paths are relative to it (the run directory's layout).
+        self.user_dir = os.path.realpath(os.getcwd()) + os.sep
         self.user_files: dict[str, str | None] = {}
         self.ids: dict[str, int] = {}
         self.open_passes: dict[str, _Pass] = {}
@@ -214,9 +216,7 @@ class _Observer:
             self.file.write(line + "\n")
 
     def where(self) -> dict | None:
-        """The innermost frame of the user's code (the script and files beside it)."""
-        if self.user_dir is None:
-            self.user_dir = os.path.dirname(os.path.abspath(sys.argv[0])) + os.sep
+        """The innermost frame of the user's code (the run directory's files)."""
         frame = sys._getframe(1)
         while frame is not None:
             name = self._user_file(frame.f_code.co_filename)
@@ -227,10 +227,10 @@ class _Observer:
 
     def _user_file(self, filename: str) -> str | None:
         if filename not in self.user_files:
-            path = os.path.abspath(filename)
+            path = os.path.realpath(filename)
             ours = path.startswith(self.user_dir + ".ddpnb" + os.sep)  # ddpnb's hooks
             ours = ours or path.endswith("ddpnb_reporting.py")
-            mine = path.startswith(self.user_dir) and not ours
+            mine = path.startswith(self.user_dir) and not ours and not filename.startswith("<")
             self.user_files[filename] = path[len(self.user_dir) :] if mine else None
         return self.user_files[filename]
 

@@ -75,7 +75,8 @@ def prepare_run_dir(
         clash = [
             n
             for n in payload
-            if (run_dir / n).is_file() and (run_dir / n).read_bytes() != payload[n]
+            if (run_dir / n).exists()
+            and not ((run_dir / n).is_file() and (run_dir / n).read_bytes() == payload[n])
         ]
         if clash:
             raise RunDirError(

@@ -1,7 +1,8 @@
 """What a run executes: a torchrun script, its arguments, and the files it needs beside it.
 
 Any script that runs under ``torchrun`` runs under ddpnb. The run directory is its
-working directory on every node: the script, its ``files`` and ddpnb's reporting file
+working directory on every node: the script, its ``files`` (files and folders, in the
+places they have in the current folder) and ddpnb's reporting file
 (``ddpnb_reporting.py``, optional to use) are copied there. ddpnb's own worker is one
 such script: :func:`worker_script` is ``train_ddp.py --config config.json``.
 """
@@ -19,26 +20,37 @@ REPORTING_NAME = "ddpnb_reporting.py"
 MESHCHECK_NAME = "ddpnb_meshcheck.py"  # the network check a Slurm job runs first
 REPORTING_PATH = Path(__file__).with_name("reporting.py")
 CONSTANTS_NAME = "ddpnb_constants.py"  # what ddpnb's worker shares with the package
+HOOKS_DIR = ".ddpnb"  # ddpnb's hooks in the run directory (ddpnb.hang writes them)
+MAX_COPY_MB = 100.0  # above this the launch refuses to copy the script's files (max_copy_mb)
 
 
 @dataclasses.dataclass(frozen=True)
 class Script:
     """A torchrun script, the arguments after it, and the files it needs beside it.
 
-    ``files`` (modules the script imports, small configs) are copied into the run
-    directory with the script, under their own names. Pass a ``Script`` wherever a
-    :class:`~ddpnb.TrainConfig` goes: ``launch``, ``submit_slurm``, ``check_script``.
+    ``files`` (modules and packages the script imports, configs, small data: files or
+    folders, a folder copied whole) are copied into the run directory with the script. A
+    relative path keeps its place, relative to the current folder: ``data/tiny/train.bin``
+    lands as ``RUN_DIR/data/tiny/train.bin`` and ``src/train.py`` runs as
+    ``RUN_DIR/src/train.py``, as torchrun would run them from the current folder. An
+    absolute path lands at the top of the run directory, under its own name. A relative
+    path that climbs out of the current folder (``../x``) is refused. Above
+    ``max_copy_mb`` megabytes in all the launch refuses to copy: keep large data on a
+    filesystem every node shares and pass its path in ``args`` (never copied). Pass a
+    ``Script`` wherever a :class:`~ddpnb.TrainConfig` goes: ``launch``, ``submit_slurm``,
+    ``check_script``.
 
     Example
     -------
-    >>> s = Script("multinode.py", args=["50", "10", "--batch_size", "32"], files=["datautils.py"])
+    >>> s = Script("src/train.py", args=["config/small.json"], files=["mypkg", "config"])
     >>> s.name
-    'multinode.py'
+    'src/train.py'
     """
 
     path: str | os.PathLike
     args: Sequence[str] = ()
     files: Sequence[str | os.PathLike] = ()
+    max_copy_mb: float = MAX_COPY_MB
     # ddpnb's worker: the name it takes in the run directory and the files ddpnb writes
     # for it (config.json). Not for users' scripts.
     rename: str | None = dataclasses.field(default=None, repr=False)
@@ -57,40 +69,67 @@ class Script:
         bad = [a for a in self.args if not isinstance(a, str)]
         if bad:
             raise ConfigError(f"Script args must be strings (as on a command line): {bad!r}.")
+        limit = self.max_copy_mb
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+            raise ConfigError(f"max_copy_mb must be a number of megabytes > 0, got {limit!r}.")
+        for path in (*([] if self.rename else [self.path]), *self.files):
+            _place(path)  # a relative path climbing out of the current folder: refused now
 
     @property
     def name(self) -> str:
-        """The script's file name in the run directory."""
-        return self.rename or Path(self.path).name
+        """The script's path in the run directory (relative, with ``/``)."""
+        return self.rename or _place(self.path)
 
     def check(self) -> None:
-        """Raise ConfigError unless the script and every file exist and their names differ."""
-        paths = [Path(self.path), *map(Path, self.files)]
-        missing = [str(p) for p in paths if not p.is_file()]
+        """Raise ConfigError unless the script and every file exist, their places in the run
+        directory differ, and they are not larger than ``max_copy_mb`` in all."""
+        given = [Path(self.path), *map(Path, self.files)]
+        missing = [str(p) for p in given if not p.exists()]
         if missing:
             raise ConfigError(
-                f"{', '.join(missing)}: no such file. Pass the path of the script "
-                "(and of each file it needs) as it is on this machine."
+                f"{', '.join(missing)}: no such file or folder. Pass the path of the script "
+                "(and of each file or folder it needs) as it is on this machine; a relative "
+                f"path is relative to the current folder, {os.getcwd()}."
             )
-        names = [self.name, *(p.name for p in paths[1:]), *self.generated]
-        names += [REPORTING_NAME, MESHCHECK_NAME]
-        for path in paths:
-            if path.suffix == ".py":
-                _compile(path)
+        if not given[0].is_file():
+            raise ConfigError(
+                f"{self.path}: a folder; the script is a file (e.g. {self.path}/train.py)."
+            )
+        sources = self._sources()
+        names = [n for n, _, _ in sources]
+        names += [*self.generated, REPORTING_NAME, MESHCHECK_NAME]
         twice = sorted({n for n in names if names.count(n) > 1})
+        twice += sorted({n for n in names if n.split("/")[0] == HOOKS_DIR})
         if twice:
             raise ConfigError(
                 f"Two files would land in the run directory as {', '.join(twice)}: the script "
-                f"and its files are copied there under their own names ({REPORTING_NAME} and "
-                f"{MESHCHECK_NAME} are ddpnb's). Rename one of them."
+                "and its files keep their relative paths there (absolute paths land at the top; "
+                f"{REPORTING_NAME}, {MESHCHECK_NAME} and {HOOKS_DIR}/ are ddpnb's). Rename or "
+                "move one of them."
             )
+        for path in given:
+            if path.suffix == ".py" and path.is_file():
+                _compile(path)
+        _check_size(sources, self.max_copy_mb)
 
     def payload(self) -> dict[str, bytes]:
-        """Every file the run directory gets, by name: the script, its files, the reporting file."""
-        out = {self.name: Path(self.path).read_bytes()}
-        out.update({Path(f).name: Path(f).read_bytes() for f in self.files})
+        """Every file the run directory gets, by its path there: the script, its files (a
+        folder's, each), the reporting file."""
+        out = {name: path.read_bytes() for name, path, _ in self._sources()}
         out.update(self.generated)
         out[REPORTING_NAME] = REPORTING_PATH.read_bytes()
+        return out
+
+    def _sources(self) -> list[tuple[str, Path, str]]:
+        """(path in the run directory, file here, the path given) of every file copied;
+        a file given twice (``data`` and ``data/a.txt``) once."""
+        out, seen = [], set()
+        given = [(self.name, self.path), *((_place(f), f) for f in self.files)]
+        for place, path in given:
+            for name, file in _walk(place, Path(path)):
+                if (name, os.path.realpath(file)) not in seen:
+                    seen.add((name, os.path.realpath(file)))
+                    out.append((name, file, str(path)))
         return out
 
     def command(self, run_dir: str | os.PathLike) -> list[str]:
@@ -123,6 +162,59 @@ def worker_script(config, path: str | os.PathLike | None = None) -> Script:
         rename="train_ddp.py",
         generated={"config.json": config.to_json().encode(), CONSTANTS_NAME: constants},
     )
+
+
+def _place(path: str | os.PathLike) -> str:
+    """Where ``path`` lands in the run directory: a relative path keeps its place (relative
+    to the current folder), an absolute one lands at the top under its own name."""
+    if Path(path).is_absolute():
+        return Path(path).name
+    place = Path(os.path.normpath(path)).as_posix()
+    if place == "." or place.split("/")[0] == "..":
+        raise ConfigError(
+            f"{path}: not inside the current folder ({os.getcwd()}). A relative path keeps its "
+            "place in the run directory, so it must name something inside the current folder: "
+            "pass it as an absolute path (it lands at the top of the run directory), or run "
+            "from the folder above and name it from there. Nothing was started."
+        )
+    return place
+
+
+def _walk(place: str, path: Path) -> list[tuple[str, Path]]:
+    """A file, or every file of a folder (but ``__pycache__``), with its place."""
+    if not path.is_dir():
+        return [(place, path)]
+    out = []
+    for folder, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for file in (Path(folder) / n for n in sorted(names)):
+            if file.is_file():  # not a broken link
+                out.append((f"{place}/{file.relative_to(path).as_posix()}", file))
+    return out
+
+
+def _check_size(sources: list[tuple[str, Path, str]], max_mb: float) -> None:
+    """ConfigError naming the total and the largest paths given when above ``max_mb``."""
+    sizes: dict[str, int] = {}
+    for _, file, given in sources:
+        sizes[given] = sizes.get(given, 0) + file.stat().st_size
+    total = sum(sizes.values())
+    if total <= max_mb * 1e6:
+        return
+    largest = sorted(sizes.items(), key=lambda item: -item[1])[:3]
+    items = ", ".join(f"{given} ({_size(size)})" for given, size in largest)
+    need = int(total / 1e6) + 1
+    raise ConfigError(
+        f"The script and its files are {_size(total)}, more than max_copy_mb={max_mb:g} "
+        f"to copy into the run directory (and to every host that does not share it); the "
+        f"largest: {items}. Nothing was started. Keep large data on a filesystem every node "
+        "shares and pass its absolute path in the script's arguments (never copied), or allow "
+        f"the copy: Script(..., max_copy_mb={need}) (CLI: --max-copy-mb {need})."
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 def _compile(path: Path) -> None:

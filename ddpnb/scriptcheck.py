@@ -445,11 +445,21 @@ def _expected(rank: _Rank) -> str:
     return f"{expected} (len of the loader; epoch 1 not finished)" if expected else "?"
 
 
+def _no_pass(ranks: list[_Rank]) -> str:
+    """Why no rank trained in a pass of its data (epochs, shards and their order unseen)."""
+    if any(r["step"] for r in ranks):
+        return "optimizer steps were seen, but no DataLoader or DistributedSampler pass fed them"
+    return "no optimizer step"
+
+
 def _sharding(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
     """1: the ranks' training samples in epoch 1 should be disjoint (but for padding)."""
     trained = [r for r in ranks if r.train]
     if world < 2 or len(trained) < 2:
-        return [], ["Training shards: not checked (fewer than two ranks took an optimizer step)."]
+        why = "fewer than two ranks took an optimizer step"
+        if world >= 2 and not trained:
+            why = _no_pass(ranks)
+        return [], [f"Training shards: not checked ({why})."]
     common = _common(trained, [r.train[0] for r in trained])
     if common is None:
         return [], [
@@ -499,7 +509,9 @@ def _set_epoch(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]
     if not pairs:
         trained = max((len(r.train) for r in ranks), default=0)
         reason = (
-            "only one epoch ran before the script ended"
+            _no_pass(ranks)
+            if trained == 0
+            else "only one epoch ran before the script ended"
             if trained < 2
             else "the training data does not come from a DistributedSampler"
         )
@@ -589,7 +601,7 @@ def _steps(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
         if len(set(done.values())) > 1 or behind:
             return [_steps_finding(ranks, k, done, behind)], []
     if epochs == 0:
-        return [], ["Steps per epoch: not checked (no optimizer step)."]
+        return [], [f"Steps per epoch: not checked ({_no_pass(ranks)})."]
     return [], ["Steps per epoch: every rank that ended an epoch took the same number of steps."]
 
 
@@ -1042,6 +1054,7 @@ def _sets_rendezvous(run_dir: Path, where: dict | None) -> list[str]:
 
 def _parse_args(argv: list[str]):
     """(Script, check_script's keyword arguments) from the command line's words."""
+    from .cli import script_options
     from .script import Script
 
     parser = argparse.ArgumentParser(
@@ -1051,14 +1064,12 @@ def _parse_args(argv: list[str]):
     )
     parser.add_argument("--nnodes", type=int, default=2, help="simulated nodes (default 2)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes per node")
-    parser.add_argument(
-        "--file", action="append", default=[], help="a file the script needs beside it"
-    )
+    script_options(parser)
     parser.add_argument("--run-dir", help="keep the check's run and records here")
     parser.add_argument("script", help="the torchrun script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     opts = parser.parse_args(argv)
-    script = Script(opts.script, args=opts.args, files=opts.file)
+    script = Script(opts.script, opts.args, opts.file, opts.max_copy_mb)
     return script, {
         "nnodes": opts.nnodes,
         "nproc_per_node": opts.nproc_per_node,

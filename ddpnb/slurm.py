@@ -650,7 +650,8 @@ def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto"
     config = None
     if (run_dir / "config.json").exists() and record.get("script", WORKER_NAME) == WORKER_NAME:
         config = TrainConfig.load(run_dir / "config.json")
-    script = Script(run_dir / record.get("script", WORKER_NAME), record.get("args", ()))
+    name = record.get("script", WORKER_NAME)  # its path in the run directory
+    script = Script(run_dir / name, record.get("args", ()), rename=name)
     follow = {
         "progress": check_progress(progress),
         "hang_timeout": record.get("hang_timeout", HANG_TIMEOUT),

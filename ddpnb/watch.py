@@ -69,7 +69,9 @@ class _Watch:
         self.interval = interval
         self.pid = os.getpid()
         self.main = threading.main_thread().ident
-        self.script_dir = os.path.dirname(os.path.abspath(sys.argv[0] or ".")) + os.sep
+        # The user's files: the run directory's (the working directory at start), wherever
+        # the script is in it.
+        self.run_dir = os.path.realpath(os.getcwd()) + os.sep
         self.mine: dict[str, str | None] = {}
         self.steps = 0
         self.seq = 0
@@ -110,13 +112,18 @@ class _Watch:
         return out[::-1]
 
     def _mine(self, filename: str) -> str | None:
-        """The file's path in the run directory when it is the user's (the script's folder)."""
+        """The file's path in the run directory when it is the user's (in the run directory)."""
         if filename not in self.mine:
-            path = os.path.abspath(filename)
-            ours = path.startswith(self.script_dir + HOOKS_DIR + os.sep)
+            path = os.path.realpath(filename)
+            ours = path.startswith(self.run_dir + HOOKS_DIR + os.sep)
             ours = ours or os.path.basename(path) == "ddpnb_reporting.py"
-            ok = path.startswith(self.script_dir) and not ours and "site-packages" not in path
-            self.mine[filename] = path[len(self.script_dir) :] if ok else None
+            ok = (
+                path.startswith(self.run_dir)
+                and not ours
+                and not filename.startswith("<")
+                and "site-packages" not in path
+            )
+            self.mine[filename] = path[len(self.run_dir) :] if ok else None
         return self.mine[filename]
 
     def write(self, state: str) -> None:

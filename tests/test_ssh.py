@@ -331,7 +331,7 @@ def _run_notebook_07(tmp_path, **params):
 def test_notebook_07_with_no_hosts_teaches_and_starts_nothing(tiny_data, tmp_path):
     text = _run_notebook_07(tmp_path, data_dir=str(tiny_data))
     assert "hosts is empty: nothing was started." in text
-    assert "-o BatchMode=yes" in text and "--node_rank=1" in text  # the commands shown
+    assert "# node 1:\nssh -t -- gpu2 'cd " in text and "--node_rank=1" in text  # to paste
     assert "reaches node 0" in text and "what it proves" in text  # what the check would do
     assert "nothing was started" in text and not (tmp_path / "runs").exists()
 
@@ -373,6 +373,27 @@ def test_your_own_script_on_hosts_without_the_shared_filesystem(hosts, tmp_path)
         assert "args ['2', 'x y']" in (run / "logs" / "node-1.log").read_text()
         listing = hosts.in_private(1, ["ls", str(run)])  # the files were copied out
         assert {"linear.py", "datautils.py", "ddpnb_reporting.py"} <= set(listing.stdout.split())
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    assert not _no_leftovers(hosts)
+
+
+def test_a_project_with_folders_on_hosts_without_the_shared_filesystem(hosts, monkeypatch):
+    """Folders and relative paths reach each host's own run directory as they are."""
+    monkeypatch.chdir(Path(__file__).with_name("project"))  # relative paths: from here
+    run = hosts.private_root / f"project-{os.getpid()}"
+    try:
+        files = ["mypkg", "config", "data/tiny/train.txt"]
+        script = ddpnb.Script("train.py", args=["config/small.json"], files=files)
+        job = ddpnb.launch(
+            script, run, hosts=hosts.private, ssh_config=hosts.ssh_config, progress="none"
+        )
+        assert job.backend.shared == [False, False]
+        assert (run / "out" / "model.pt").is_file()  # written on node 0's host, brought back
+        assert "rank 1 epoch 2 loss" in (run / "logs" / "node-1.log").read_text()
+        listing = hosts.in_private(1, ["find", str(run), "-type", "f"])  # node 1's own copy
+        there = {str(Path(p).relative_to(run)) for p in listing.stdout.split()}
+        assert {"train.py", "mypkg/model.py", "config/small.json", "data/tiny/train.txt"} <= there
     finally:
         shutil.rmtree(run, ignore_errors=True)
     assert not _no_leftovers(hosts)

@@ -1,0 +1,1 @@
+"""The project's package: the training script imports it from beside it."""
