@@ -59,7 +59,8 @@ def test_a_project_with_folders_trains_on_simulated_nodes(project, tmp_path):
 
 @pytest.mark.slow
 def test_a_script_in_a_subfolder_imports_beside_it_and_the_check_names_its_line(project, tmp_path):
-    script = ddpnb.Script("tools/unsharded.py", files=["data/tiny"])
+    # The module it imports from beside it is given, as every file the script needs is.
+    script = ddpnb.Script("tools/unsharded.py", files=["data/tiny", "tools/common.py"])
     report = ddpnb.check_script(script, run_dir=tmp_path / "check")
     assert (tmp_path / "check" / "run" / "tools" / "common.py").is_file()  # beside the script
     assert report.script == "tools/unsharded.py"

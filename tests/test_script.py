@@ -146,7 +146,7 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
         ddpnb.Script(OWN / "plain.py", args="--epochs 3")
     clash = tmp_path / "ddpnb_reporting.py"
     clash.write_text("")
-    with pytest.raises(ConfigError, match="ddpnb_reporting.py.*Rename one"):
+    with pytest.raises(ConfigError, match="ddpnb_reporting.py.*Rename or move one"):
         ddpnb.launch(ddpnb.Script(OWN / "plain.py", files=[clash]), tmp_path / "r2")
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
     mine = tmp_path / "r3"  # a folder holding the user's own plain.py, another one
