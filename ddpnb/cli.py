@@ -281,6 +281,8 @@ def _run_parser(sub) -> argparse.ArgumentParser:
 
     run = _command(sub, "run", usage="ddpnb run [OPTIONS] SCRIPT [SCRIPT_ARGS...]")
     run.add_argument("--run-dir", help="default: runs/<script name without .py>")
+    from .script import script_options
+
     script_options(run)
     launch_options(run)
     slurm = run.add_argument_group("Slurm (with --slurm: one batch job, sbatch)")
@@ -292,29 +294,6 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("script", metavar="SCRIPT", help="the torchrun script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS")
     return run
-
-
-def script_options(parser: argparse.ArgumentParser) -> None:
-    """``--file`` and ``--max-copy-mb``: what ``ddpnb run`` and ``ddpnb check-script`` copy."""
-    from .script import MAX_COPY_MB
-
-    parser.add_argument(
-        "--file",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="a file or folder the script needs (a module, a package, a config, small data); "
-        "a relative path keeps its place, relative to the current folder (data/a.bin lands as "
-        "RUN_DIR/data/a.bin), an absolute one lands at the top of the run directory; repeat",
-    )
-    parser.add_argument(
-        "--max-copy-mb",
-        type=float,
-        default=MAX_COPY_MB,
-        metavar="MB",
-        help=f"refuse to copy more than this of the script and its files (default "
-        f"{MAX_COPY_MB:g}); large data belongs on a shared filesystem, named in SCRIPT_ARGS",
-    )
 
 
 def _run_script(args: argparse.Namespace) -> int:

@@ -231,3 +231,24 @@ def _compile(path: Path) -> None:
         ) from None
     except ValueError as e:  # a null byte: not a Python file
         raise ConfigError(f"{path}: not a Python source file ({e}).") from None
+
+
+def script_options(parser) -> None:
+    """``--file`` and ``--max-copy-mb``: what ``ddpnb run`` and ``ddpnb check-script`` copy."""
+    parser.add_argument(
+        "--file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file or folder the script needs (a module, a package, a config, small data); "
+        "a relative path keeps its place, relative to the current folder (data/a.bin lands as "
+        "RUN_DIR/data/a.bin), an absolute one lands at the top of the run directory; repeat",
+    )
+    parser.add_argument(
+        "--max-copy-mb",
+        type=float,
+        default=MAX_COPY_MB,
+        metavar="MB",
+        help=f"refuse to copy more than this of the script and its files (default "
+        f"{MAX_COPY_MB:g}); large data belongs on a shared filesystem, named in SCRIPT_ARGS",
+    )

@@ -1054,8 +1054,7 @@ def _sets_rendezvous(run_dir: Path, where: dict | None) -> list[str]:
 
 def _parse_args(argv: list[str]):
     """(Script, check_script's keyword arguments) from the command line's words."""
-    from .cli import script_options
-    from .script import Script
+    from .script import Script, script_options
 
     parser = argparse.ArgumentParser(
         prog="ddpnb check-script",
