@@ -109,3 +109,21 @@ def layout_run(tiny_data, tmp_path_factory):
         return _runs[layout]
 
     return run
+
+
+def wait_for_hang(job, limit: float) -> None:
+    """Follow ``job`` (launched with on_hang="wait") until its hang watch names a hang.
+
+    Returns as soon as it does, so no test waits out a fixed time; fails after ``limit``
+    seconds, or when the run ends instead.
+    """
+    import time
+
+    deadline = time.monotonic() + limit
+    while job.waiting is None or job.waiting.kind != "hang":
+        assert time.monotonic() < deadline, f"no hang named within {limit} s: {job.waiting}"
+        try:
+            job.wait(timeout=1)
+        except TimeoutError:
+            continue
+        raise AssertionError("the run ended instead of hanging")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for_hang
 
 import ddpnb
 from ddpnb.errors import ConfigError, RunHung
@@ -122,8 +123,7 @@ def test_waiting_shows_the_hang_and_ddpnb_stacks_reads_it(tmp_path):
     """on_hang='wait': the run stays up, the nodes read 'hung', ddpnb stacks shows every rank."""
     job = launch("barrier_rank0.py", tmp_path / "run", on_hang="wait", wait=False)
     try:
-        with pytest.raises(TimeoutError):
-            job.wait(timeout=25)
+        wait_for_hang(job, 40)
         assert job.waiting is not None and job.waiting.kind == "hang"
         assert set(job.node_status().values()) == {"hung"}
         out = subprocess.run(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import tiny_config
+from conftest import tiny_config, wait_for_hang
 from slurm_cluster import PARTITION, SlurmCluster
 
 import ddpnb
@@ -473,8 +473,7 @@ def test_a_hang_in_a_batch_job_shows_every_ranks_stack(slurm, tmp_path):
         on_hang="wait",
     )
     try:
-        with pytest.raises(TimeoutError):
-            job.wait(timeout=90)
+        wait_for_hang(job, 120)
         assert job.waiting is not None and job.waiting.kind == "hang", job.waiting
         cli = subprocess.run(
             [sys.executable, "-m", "ddpnb", "stacks", str(job.run_dir)],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import tiny_config
+from conftest import tiny_config, wait_for_hang
 from sshhosts import ssh_hosts
 
 import ddpnb
@@ -416,8 +416,7 @@ def test_a_hang_on_hosts_without_the_shared_filesystem_is_named_by_host(hosts, t
     )
     try:
         assert job.backend.shared == [False, False]
-        with pytest.raises(TimeoutError):
-            job.wait(timeout=45)
+        wait_for_hang(job, 60)
         assert job.waiting is not None and job.waiting.kind == "hang", job.waiting
         stacks = job.stacks()
         lines = {r.rank: (r.node, r.line()) for r in stacks.ranks}
