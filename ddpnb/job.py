@@ -59,6 +59,9 @@ class Backend(Protocol):
     def sync(self) -> None:
         """Bring node 0's progress files here while the run goes on (if not shared)."""
 
+    def sync_stacks(self, force: bool) -> None:
+        """Bring every rank's stack snapshots here (if not shared); ``force``: now, or raise."""
+
     def fetch(self) -> None:
         """Bring every node's results and logs here once the run has ended."""
 
@@ -204,6 +207,9 @@ class Processes:
         self.cut_lifeline()
 
     def sync(self) -> None:
+        pass
+
+    def sync_stacks(self, force: bool) -> None:
         pass
 
     def fetch(self) -> None:
@@ -366,7 +372,7 @@ class Job:
         rank 0 waits in barrier at train.py:21 (dist.barrier())  [node 0 on gpu1, pid 4242]
         """
         self.backend.sync()
-        getattr(self.backend, "sync_stacks", lambda force: None)(True)
+        self.backend.sync_stacks(True)
         return stacks(self.run_dir, self.hang_timeout or HANG_DEFAULT)
 
     # -- control -------------------------------------------------------------------
@@ -441,7 +447,7 @@ class Job:
         if self.hang_timeout is None or now - self._watched < WATCH_SECONDS:
             return None
         self._watched = now
-        getattr(self.backend, "sync_stacks", lambda force: None)(False)
+        self.backend.sync_stacks(False)
         ranks = self._ranks = read_ranks(self.run_dir, since=self.started_at)
         live = [r.still for r in ranks if r.state == "running"]
         if not live:

@@ -361,6 +361,9 @@ class SlurmNodes:
     def sync(self) -> None:
         pass
 
+    def sync_stacks(self, force: bool) -> None:
+        pass  # the run directory is on the shared filesystem
+
     def fetch(self) -> None:
         pass
 
