@@ -95,7 +95,8 @@ def _open(page, lab, name: str) -> None:
 
 def _states(panel: dict) -> set[str]:
     """The node states a panel shows, e.g. {"running"}; rows read 'node 0 running ranks ...'."""
-    return {row.split()[2] for row in panel["rows"]}
+    # A row being redrawn can read shorter for a frame: it shows no state then.
+    return {(row.split() + ["", "", ""])[2] for row in panel["rows"]}
 
 
 def _finished(page) -> bool:
