@@ -36,6 +36,7 @@ WATCH_SECONDS = 1.0  # how often the hang watch reads the ranks' snapshots
 HANG_DEFAULT = 60.0  # the quiet time a verdict needs when the watch has no limit of its own
 STOP_GRACE_SECONDS = 4.0
 WORKER_LINE = re.compile(rb"^\[rank\d+\]", re.M)  # torchrun's prefix on a worker's output
+TRACEBACK = "Traceback (most recent call last):"
 
 
 class Backend(Protocol):
@@ -337,11 +338,17 @@ class Job:
             return False
 
     def last_line(self, node: int) -> str:
-        """The node's last output line (its workers' or torchrun's)."""
-        for line in reversed(log_tail(self.run_dir, node, 5).splitlines()):
-            if line.strip() and not line.startswith("$ "):
-                return line.strip()
-        return ""
+        """The node's last worker line (``[rankN] ...``); before any, torchrun's last line.
+
+        A stopped torchrun prints its own traceback last (``SignalException``...): what the
+        workers said before it is what a reader wants to see.
+        """
+        lines = [ln.strip() for ln in log_tail(self.run_dir, node, 60).splitlines()]
+        lines = [ln for ln in lines if ln and not ln.startswith("$ ")]
+        workers = [ln for ln in lines if WORKER_LINE.match(ln.encode())]
+        if not workers and TRACEBACK in lines:  # what torchrun said before its traceback
+            lines = lines[: lines.index(TRACEBACK)]
+        return (workers or lines or [""])[-1]
 
     def log_tail(self, node: int = 0, lines: int = 20) -> str:
         """The last ``lines`` lines of a node's log."""

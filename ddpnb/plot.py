@@ -26,7 +26,7 @@ def label_log_axis(ax: Axes) -> None:
 
     Matplotlib labels only the powers of ten, so a loss curve near 2 would sit between the
     labels 1 and 10 with nothing to read it by. Over many decades fewer labels are used;
-    within less than one decade, every multiple (0.06, 0.07, ... 0.2), never a single label.
+    within less than one decade, every multiple and 1.5 (0.06, 0.07, ... 0.1, 0.15, 0.2).
     Call it after plotting: it reads the axis's limits.
 
     Example
@@ -37,7 +37,7 @@ def label_log_axis(ax: Axes) -> None:
     decades = math.log10(high / low) if low > 0 and high > low else 0.0
     subs = (1.0, 2.0, 5.0) if decades <= 3.5 else (1.0, 3.0) if decades <= 6 else (1.0,)
     if decades < 1:  # within one decade 1, 2 and 5 may leave a single label: label them all
-        subs = tuple(float(k) for k in range(1, 10))
+        subs = (1.0, 1.5, *(float(k) for k in range(2, 10)))  # 1.5: between 0.1 and 0.2
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())

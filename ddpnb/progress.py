@@ -272,7 +272,7 @@ class WidgetProgress:
             hosts = getattr(self.job, "hosts", None)  # real hosts (SSH): name each node's
             if hosts:
                 role = f" on {escape(hosts[n])}{role}"
-            last = escape(self.job.last_line(n)[-90:])  # the node's latest output line
+            last = escape(self.job.last_line(n)[:200])  # the node's latest line; CSS cuts its end
             if n in steps:
                 last = f"{steps[n]} optimizer steps · {last}"
             elapsed = (self.job.ended_at or time.time()) - self.job.started_at

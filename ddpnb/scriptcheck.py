@@ -421,7 +421,11 @@ def _facts(ranks: list[_Rank], world: int, layout: str) -> dict[str, str]:
     sizes = {r.rank: max(r.train[0]["batch_sizes"]) for r in trained if r.train[0]["batch_sizes"]}
     if sizes:
         facts["batch size per rank"] = ", ".join(map(str, sorted(set(sizes.values()))))
-        facts["global batch size"] = f"{sum(sizes.values())} (the sum over {len(sizes)} ranks)"
+        facts["global batch size"] = (
+            f"{sum(sizes.values())} (the sum over {world} ranks)"
+            if len(sizes) == world  # a rank stuck before its first batch reports none
+            else f"not seen on every rank (a batch seen on rank {', '.join(map(str, sizes))} only)"
+        )
     elif trained:
         facts["batch size per rank"] = "not seen (batches made without a DataLoader)"
     if trained:

@@ -317,6 +317,8 @@ def test_dark_theme_four_nodes_and_stop_button_ends_every_process(lab, page):
     state = page.evaluate(PANEL_JS, VISIBLE)
     _shot(page, "03-dark-4nodes-stopped.png")
     assert _states(state) == {"stopped"}, state["rows"]
+    # Each row still shows its workers' last line, not torchrun's SignalException.
+    assert not [r for r in state["rows"] if "Exception" in r or "orch." in r], state["rows"]
     assert "interrupted" in state["status"] and "FAILED" not in state["status"]
     print(f"stop button -> no training process left in {stopped_in:.1f} s")
 
