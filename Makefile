@@ -32,9 +32,10 @@ lint: setup
 # Participants work on copies in $(LAB_DIR)/ (git-ignored): JupyterLab's autosave never
 # touches the tracked notebooks/, so `git status` stays clean and `git pull` never conflicts.
 # A notebook is copied only when its copy is missing (delete a copy for a fresh one; new
-# notebooks arrive after a pull). The overrides turn off JupyterLab's news and update pop-ups
-# (a participant can turn them on again in Settings). Loopback only; the URL with its token
-# is printed. As root (containers) JupyterLab refuses to start without --allow-root.
+# notebooks arrive after a pull); so is solutions/, the exercises' solutions. The overrides
+# turn off JupyterLab's news and update pop-ups (a participant can turn them on again in
+# Settings). Loopback only; the URL with its token is printed. As root (containers)
+# JupyterLab refuses to start without --allow-root.
 # LAB_ARGS adds JupyterLab options (the browser test passes its port and token).
 LAB_DIR ?= workshop
 LAB_ARGS ?=
@@ -43,6 +44,7 @@ lab: setup
 	mkdir -p "$(LAB_DIR)" "$(dir $(LAB_OVERRIDES))"
 	printf '%s\n' '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' > "$(LAB_OVERRIDES)"
 	for nb in notebooks/*.ipynb; do test -e "$(LAB_DIR)/$${nb##*/}" || cp "$$nb" "$(LAB_DIR)/"; done
+	test -e "$(LAB_DIR)/solutions" || cp -R notebooks/solutions "$(LAB_DIR)/"
 	exec $(VENV)/bin/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir="$(LAB_DIR)" --no-browser \
 		--LabApp.news_url=None $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 

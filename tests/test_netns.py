@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import tiny_config
@@ -163,3 +165,71 @@ def test_printed_c10d_lines_train_on_a_second_network(veth_pair, tiny_data, tmp_
     assert codes == [0, 0], logs
     final = ddpnb.load_metrics(run).final
     assert final["world_size"] == 2 and final["epoch"] == cfg.epochs
+
+
+GUIDE = Path(__file__).parents[1] / "docs" / "instructor.md"
+ROOM = "/tmp/ddp-room"  # the guide's folder, the same path on both laptops
+EXAMPLE_ADDRESSES = ("192.168.1.23", "192.168.1.57")  # the guide's laptops A and B
+
+
+def guide_commands() -> list[str]:
+    """The commands of the guide's "Two laptops, one run", as a participant types them."""
+    section = GUIDE.read_text().split("## Two laptops, one run", 1)[1]
+    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    lines = [line.strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.startswith(("mkdir ", "ddpnb ", "python -c "))]
+
+
+def test_the_instructors_two_laptop_steps(veth_pair, tmp_path):
+    """docs/instructor.md's steps, run as written: each "laptop" a network namespace."""
+    (ns_a, ns_b), devs, addrs = veth_pair
+    room = tmp_path / "ddp-room"
+    venv_bin = str(Path(sys.executable).parent)  # the `.venv` the participants activated
+    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    commands = guide_commands()
+    assert [c.split()[:2] for c in commands] == [
+        ["mkdir", "-p"], ["ddpnb", "prep"], ["ddpnb", "check"], ["python", "-c"],
+        ["ddpnb", "commands"], ["ddpnb", "plot"],
+    ]  # fmt: skip
+    printed = {}
+    for command in commands[:5]:  # data, fingerprint, worker, the lines: on laptop A
+        for example, addr in zip(EXAMPLE_ADDRESSES, addrs):
+            command = command.replace(example, addr)
+        argv = ["ip", "netns", "exec", ns_a, *shlex.split(command.replace(ROOM, str(room)))]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+        printed[command.split()[1]] = done.stdout
+    assert "fingerprint: sha256:" in printed["check"]  # what the two participants compare
+    torchruns = [ln for ln in printed["commands"].splitlines() if ln.startswith("torchrun ")]
+    assert len(torchruns) == 2 and all(f"--local_addr={a}" in t for a, t in zip(addrs, torchruns))
+    procs, started = [], time.monotonic()
+    try:
+        for ns, dev, line in zip((ns_a, ns_b), devs, torchruns):  # each laptop its own line
+            log = open(tmp_path / f"{ns}.log", "wb")  # noqa: SIM115 (closed below)
+            argv = [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "env",
+                f"GLOO_SOCKET_IFNAME={dev}",
+                *shlex.split(line),
+            ]
+            procs.append((log, subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )))  # fmt: skip
+        codes = [p.wait(timeout=300) for _, p in procs]
+    finally:
+        for log, p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            log.close()
+    logs = {ns: (tmp_path / f"{ns}.log").read_text()[-1500:] for ns in (ns_a, ns_b)}
+    assert codes == [0, 0], logs
+    run = ddpnb.load_metrics(room / "run")
+    assert [e["epoch"] for e in run.epochs] == [1, 2] and run.final["world_size"] == 2
+    print(f"two 'laptops' trained {len(run.epochs)} epochs in {time.monotonic() - started:.0f} s")
+    plot = shlex.split(commands[5].replace(ROOM, str(room)))
+    subprocess.run(plot, env=env, check=True, capture_output=True, cwd=tmp_path, timeout=120)
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -327,7 +327,7 @@ def test_09_your_own_script(executed):
     assert "+        sampler.set_epoch(epoch)" in printed  # the one-line fix
     # The check named the missing line before the fix, and came out clean after it.
     checks = [c for c in nbformat.read(out / "09_your_own_script.ipynb", as_version=4).cells
-              if "check_script(" in c.source]  # fmt: skip
+              if "check_script(ddpnb.Script(" in c.source]  # fmt: skip
     first, second = (json.dumps(c.outputs) for c in checks)
     assert "Every epoch repeats the same order" in first and "tabular_ddp.py:" in first
     assert "Every epoch repeats" not in second and "no mistake found" in second.lower()
@@ -349,3 +349,93 @@ def test_10_appendix_blog_typos(executed):
     assert "compiles: model.eval()" in printed  # the fix
     assert "NameError: name 'device' is not defined" in printed
     assert "train() ran on cpu" in printed  # device passed as an argument
+
+
+# -- the exercises: a script that runs but is not right yet, its check, a hint, a solution --
+
+SOLUTIONS = NOTEBOOKS / "solutions"
+EXERCISES = {  # script: (its notebook, the mistakes (check_script's numbers) it is about)
+    "join_anywhere.py": ("03_multi_node_ddp.ipynb", {7}),
+    "exact_eval.py": ("06_pitfalls.ipynb", {5}),
+    "checkpoint_barrier.py": ("06_pitfalls.ipynb", {9}),
+    "digits_ddp.py": ("09_your_own_script.ipynb", {2, 3, 6}),
+}
+WITH_EXERCISES = sorted({nb for nb, _ in EXERCISES.values()})
+
+
+def exercise_cells(nb) -> dict[str, int]:
+    """The cells tagged ``exercise``: the script each writes, and the cell's index."""
+    found = {}
+    for i, cell in enumerate(nb.cells):
+        if "exercise" in cell.metadata.get("tags", []):
+            m = re.match(r"%%writefile (\S+)\n", cell.source)
+            assert m, f"an exercise cell writes a script: {cell.source[:60]!r}"
+            found[m.group(1)] = i
+    return found
+
+
+def test_every_exercise_has_its_check_hint_and_solution():
+    nbs = {name: nbformat.read(NOTEBOOKS / name, as_version=4) for name in ALL}
+    where = {script: name for name, nb in nbs.items() for script in exercise_cells(nb)}
+    assert where == {script: nb for script, (nb, _) in EXERCISES.items()}
+    assert len(where) >= 4 and len(set(where.values())) >= 3
+    assert sorted(p.name for p in SOLUTIONS.glob("*.py")) == sorted(EXERCISES)
+    for script, name in where.items():
+        cells = nbs[name].cells
+        i = exercise_cells(nbs[name])[script]
+        assert "# TODO" in cells[i].source
+        assert cells[i + 1].source.startswith(f'ddpnb.check_script("{script}")')  # the check
+        after = cells[i + 2].source  # a hint, then where the solution is
+        assert cells[i + 2].cell_type == "markdown" and "Hint" in after
+        assert after.index("Hint") < after.index(f"solutions/{script}")
+        assert (SOLUTIONS / script).read_text() != cells[i].source.split("\n", 1)[1]
+
+
+def _check_outputs(path: Path) -> dict[str, str]:
+    """The output of each exercise's check cell in an executed notebook, by script."""
+    nb = nbformat.read(path, as_version=4)
+    return {s: json.dumps(nb.cells[i + 1].outputs) for s, i in exercise_cells(nb).items()}
+
+
+def _mistakes(output: str) -> set[int]:
+    return {int(n) for n in re.findall(r"mistake (\d+)</small>", output)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WITH_EXERCISES)
+def test_exercises_as_written_name_exactly_their_mistakes(executed, name):
+    out = _ok(executed, name)  # unsolved, the notebook ran top to bottom
+    for script, output in _check_outputs(out / name).items():
+        assert _mistakes(output) == EXERCISES[script][1], (script, output[:2000])
+        assert f"{script}:" in output  # with their lines
+
+
+def solved(src: Path, dst: Path) -> Path:
+    """A copy of a notebook with each exercise cell holding its solution."""
+    nb = nbformat.read(src, as_version=4)
+    for script, i in exercise_cells(nb).items():
+        nb.cells[i].source = f"%%writefile {script}\n{(SOLUTIONS / script).read_text()}"
+    nbformat.write(nb, dst)
+    return dst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WITH_EXERCISES)
+def test_notebooks_run_with_the_solutions_filled_in(executed, name):
+    import papermill
+
+    out = _ok(executed, name)  # its own run first: the same folder, data and baseline
+    params = notebook_parameters(out, out / "digits", quick=True)[name]
+    path = solved(NOTEBOOKS / name, out / f"solved-{name}")
+    papermill.execute_notebook(
+        str(path),
+        str(path),
+        parameters=params,
+        kernel_name="python3",
+        execution_timeout=300,
+        cwd=str(out),
+        progress_bar=False,
+        kernel_manager_class=ipc_kernel_manager(),
+    )
+    for script, output in _check_outputs(path).items():
+        assert "no mistake found" in output and not _mistakes(output), (script, output[:2000])
