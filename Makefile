@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The pinned releases setup installs, and make wheelhouse downloads.
+PINS := "torch==2.14.1" "torchvision==0.29.1"
 
-.PHONY: setup demo test lab bench gpu-check lint clean
+.PHONY: setup demo test lab bench gpu-check lint clean wheelhouse
 
 setup: $(STAMP)
 
@@ -13,8 +15,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet "torch==2.14.1" \
-		"torchvision==0.29.1" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet $(PINS) \
+		-e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import ddpnb, torch, torchvision, papermill, ipywidgets, sklearn"
 	$(PY) -m ipykernel install --sys-prefix --name python3 > /dev/null
 	touch $(STAMP)
@@ -47,6 +49,21 @@ lab: setup
 	test -e "$(LAB_DIR)/solutions" || cp -R notebooks/solutions "$(LAB_DIR)/"
 	exec $(VENV)/bin/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir="$(LAB_DIR)" --no-browser \
 		--LabApp.news_url=None $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+
+# An offline room: every wheel setup installs (pip itself, the build backend of the editable
+# install and the test extra included), for this machine's OS, CPU and Python, downloaded into
+# $(WHEELHOUSE)/ (git-ignored; needs only a bare .venv for its pip). Then, with no network:
+#   PIP_NO_INDEX=1 PIP_FIND_LINKS=/abs/path/to/wheelhouse make lab
+# Wheels only (--only-binary): nothing has to be built offline. The stamp makes a second run a
+# no-op until pyproject.toml or this file changes (pip skips wheels it already saved).
+WHEELHOUSE ?= wheelhouse
+wheelhouse: $(WHEELHOUSE)/.complete
+
+$(WHEELHOUSE)/.complete: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip download --only-binary=:all: --dest "$(WHEELHOUSE)" pip "setuptools>=64" \
+		$(PINS) ".[test]"
+	touch $@
 
 bench: setup
 	$(PY) bench/run.py
