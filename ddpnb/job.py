@@ -31,6 +31,7 @@ from .metrics import RunMetrics, load_metrics, read_progress
 from .progress import make_progress
 from .topology import Topology
 
+AGENT = Path(__file__).with_name("agent.py")  # each node's torchrun; its source goes over ssh
 POLL_SECONDS = 0.2
 WATCH_SECONDS = 1.0  # how often the hang watch reads the ranks' snapshots
 HANG_DEFAULT = 60.0  # the quiet time a verdict needs when the watch has no limit of its own

@@ -15,14 +15,13 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 from .agent import LIFELINE_ENV
 from .config import TrainConfig
 from .errors import ConfigError, LaunchError
 from .hang import WATCH_DIR, hooks_payload
-from .job import Job, Processes, open_lifeline
+from .job import AGENT, Job, Processes, open_lifeline
 from .log import logger
 from .plan import FIRST_HOST, HANG_TIMEOUT, Plan
 from .preflight import (
@@ -35,8 +34,6 @@ from .script import Script, worker_script
 from .topology import Topology
 
 __all__ = ["Job", "launch", "train_single"]
-
-AGENT = Path(__file__).with_name("agent.py")
 
 
 class Starter(Protocol):

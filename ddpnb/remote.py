@@ -32,7 +32,7 @@ from .config import TrainConfig
 from .diagnosis import log_tail, resume_hint
 from .errors import ConfigError, HostError, LaunchError, NodeLost, RunFailed
 from .hang import WATCH_DIR
-from .job import Job, Processes, open_lifeline
+from .job import AGENT, Job, Processes, open_lifeline
 from .log import logger
 from .network import check_network
 from .plan import FIRST_HOST
@@ -54,7 +54,6 @@ from .ssh import (
 )
 from .topology import Topology
 
-AGENT = Path(__file__).with_name("agent.py")
 REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace (5 s)
 SYNC_SECONDS = 2.0  # how often node 0's progress is copied here (one SSH login each)
 STACKS_SYNC_SECONDS = 5.0  # how often the ranks' stacks are copied here (one login per host)

@@ -54,6 +54,7 @@ POLL_SECONDS = 2.0  # between questions to slurmctld: a shared service, asked ge
 FILE_POLL_SECONDS = 0.5  # between reads of the run directory (progress, metrics)
 STOP_TIMEOUT = 60.0  # scancel: Slurm's KillWait plus its epilog, with room to spare
 FIRST_NODE = "<first node>"  # the rendezvous host until Slurm names it
+SLURM_RDZV_TIMEOUT = 300  # seconds the nodes have to join: Slurm starts them one by one
 MESHCHECK_PATH = Path(__file__).with_name("meshcheck.py")
 JOB_FILE = "slurm_job.json"  # what attach() needs: the job id, the shape, the cluster
 SCRIPT_NAME = "train.sbatch"
@@ -456,7 +457,7 @@ def submit_slurm(
     resume: bool = False,
     overwrite: bool = False,
     max_restarts: int = 0,
-    rdzv_timeout: int = 300,
+    rdzv_timeout: int = SLURM_RDZV_TIMEOUT,
     env: Mapping[str, str] | None = None,
     hang_timeout: float | None = HANG_TIMEOUT,
     on_hang: str = "stop",
@@ -576,6 +577,8 @@ class Batch:
             "args": list(plan.script.args),
             "hang_timeout": plan.hang_timeout,
             "on_hang": plan.on_hang,
+            "rdzv_timeout": topology.rdzv_timeout,
+            "max_restarts": topology.max_restarts,
         }
         (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
         return _job(run_dir, plan.script, plan.config, record, plan.follow, self.env)
@@ -583,8 +586,13 @@ class Batch:
 
 def _job(run_dir, script, config, record, follow, env) -> Job:
     job_id = record["job_id"]
-    topology = Topology(
-        record["nnodes"], record["nproc_per_node"], FIRST_NODE, port_for_job(job_id)
+    topology = Topology(  # what the job was submitted with (older records: the defaults)
+        record["nnodes"],
+        record["nproc_per_node"],
+        FIRST_NODE,
+        port_for_job(job_id),
+        record.get("rdzv_timeout", SLURM_RDZV_TIMEOUT),
+        record.get("max_restarts", 0),
     )
     nodes = SlurmNodes(run_dir, job_id, record["nnodes"], env)
     return Job(

@@ -213,6 +213,9 @@ def test_a_torchrun_restart_under_c10d_meets_again(slurm, tiny_data, tmp_path):
         }
         assert len(sums) == 1, (epoch, sums)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in (job.run_dir / "train.sbatch").read_text()
+    # The Job knows what the job was submitted with, and so does one attached later.
+    again = attach(job.run_dir, progress="none")
+    assert [(j.rdzv_timeout, j.max_restarts) for j in (job, again)] == [(300, 1), (300, 1)]
 
 
 # -- failures --------------------------------------------------------------------------------
