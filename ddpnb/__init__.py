@@ -21,6 +21,7 @@ from .rundir import write_worker
 from .script import Script
 from .scriptcheck import check_script
 from .slurm import attach, submit_slurm
+from .sweep import sweep
 
 __all__ = [
     "DdpnbError",
@@ -42,6 +43,7 @@ __all__ = [
     "slurm_script",
     "ssh_commands",
     "submit_slurm",
+    "sweep",
     "train_single",
     "write_worker",
 ]

@@ -1,4 +1,4 @@
-"""The ``ddpnb`` command line: prep, check, train, plot, commands, slurm."""
+"""The ``ddpnb`` command line: prep, check, train, plot, commands, slurm, sweep."""
 
 from __future__ import annotations
 
@@ -59,6 +59,16 @@ COMMANDS = {
         "first node. RUN_DIR must be on a filesystem every node shares. Ctrl-C cancels the "
         "job (scancel); --detach leaves it running (ddpnb attach RUN_DIR).",
     ),
+    "sweep": (
+        "run a notebook with papermill over a grid of parameters; one table of the results",
+        "Run NOTEBOOK with papermill once per point of the grid (the product of the -g axes) "
+        "into DIR/<point>.ipynb, each point's runs in DIR/<point>/; DIR/summary.csv gets one "
+        "row per point (parameters, status, wall time, final metrics) and DIR/curves.png every "
+        "point's curves. The notebooks run in the current folder, so relative paths mean what "
+        "they mean here. Running it again skips the points already done (--overwrite redoes "
+        "them) and retries the failed ones. Exit 0: every point done; 1: a point failed; 2: bad "
+        "arguments (nothing ran); 130: Ctrl-C (the running point stopped, the rest kept).",
+    ),
 }
 
 
@@ -117,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _submit_parser(sub)
     _check_hosts_parser(sub)
+    _sweep_parser(sub)
     attach = sub.add_parser("attach", help="follow a submitted Slurm job again (Ctrl-C cancels it)")
     attach.add_argument("run_dir")
 
@@ -413,6 +424,82 @@ def _attach(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- sweep: papermill's -p NAME VALUE, and -g NAME V1,V2,... --------------------------------
+
+
+def _sweep_parser(sub) -> argparse.ArgumentParser:
+    sweep = _command(
+        sub, "sweep", usage="ddpnb sweep NOTEBOOK --out DIR [-p NAME VALUE]... [-g NAME V1,V2]..."
+    )
+    sweep.add_argument("notebook", metavar="NOTEBOOK", help="the notebook (.ipynb) to run")
+    sweep.add_argument("--out", required=True, metavar="DIR", help="where everything goes")
+    sweep.add_argument(
+        "-p",
+        "--parameters",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="a parameter for every point, read as papermill reads it (True, False, None, "
+        "an int, a float, else text); repeat for more",
+    )
+    sweep.add_argument(
+        "-g",
+        "--grid",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "V1,V2"),
+        help="a grid axis: comma-separated values, each read as -p reads one; the points are "
+        "the product of the axes; repeat for more",
+    )
+    sweep.add_argument("--overwrite", action="store_true", help="redo the points already done")
+    sweep.add_argument(
+        "--timeout",
+        type=_seconds_or_off,
+        default=3600.0,
+        metavar="SECONDS",
+        help="seconds each cell may run, or 'off' (default: 3600)",
+    )
+    sweep.add_argument("--kernel", help="the Jupyter kernel (default: the notebook's own)")
+    return sweep
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from .sweep import parse_axis, resolve_type, sweep
+
+    parameters = {name: resolve_type(value) for name, value in args.parameters}
+    grid: dict[str, list] = {}
+    for name, text in args.grid:
+        if name in grid:
+            raise ConfigError(
+                f"-g {name} is given twice: give all its values in one -g {name} V1,V2,..."
+            )
+        grid[name] = parse_axis(name, text)
+    try:
+        with _StopSignals():  # SIGTERM/SIGHUP stop the running point as Ctrl-C does
+            result = sweep(
+                args.notebook,
+                args.out,
+                grid,
+                parameters,
+                overwrite=args.overwrite,
+                timeout=args.timeout,
+                kernel_name=args.kernel,
+            )
+    except KeyboardInterrupt as e:
+        how = f"stopped by {e.name}" if isinstance(e, StoppedBySignal) else "interrupted"
+        _say(
+            f"ddpnb sweep: {how}; the running point was stopped (its kernel shut down, which "
+            f"ends every ddpnb run it started); the finished points and "
+            f"{Path(args.out) / 'summary.csv'} are kept. Run the same command again to do "
+            "the rest."
+        )
+        return 128 + e.signum if isinstance(e, StoppedBySignal) else 130
+    print(result)
+    return 0 if result.ok else 1
+
+
 # -- TrainConfig fields as options -----------------------------------------------------
 
 
@@ -652,6 +739,8 @@ def _run(args: argparse.Namespace) -> int:
         return _submit(args)
     if args.command == "attach":
         return _attach(args)
+    if args.command == "sweep":
+        return _sweep(args)
     if args.command == "stacks":
         from .hang import stacks
 

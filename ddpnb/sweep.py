@@ -1,0 +1,678 @@
+"""Papermill batch runs: one notebook over a grid of parameters, gathered in one table.
+
+Each point of the grid runs the notebook with papermill into ``DIR/<point>.ipynb``; its
+run directory goes to ``DIR/<point>/``; ``DIR/summary.csv`` holds one row per point
+(parameters, status, wall time, the run's final metrics) and ``DIR/curves.png`` every
+point's curves. ``DIR/.ddpnb/<point>.json`` records each point's state, so that running the
+same sweep again skips the points already done.
+
+``ddpnb.sweep(notebook, out_dir, grid=..., parameters=...)`` or
+``ddpnb sweep NOTEBOOK --out DIR [-p NAME VALUE]... [-g NAME V1,V2,...]...``
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import hashlib
+import html
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .metrics import load_metrics
+from .report import Table, _cell
+
+#: Notebook parameters that name where runs are written: pointed inside ``DIR/<point>/``.
+RUN_DIR_PARAMETERS = ("run_dir", "run_root")
+#: The final-epoch numbers each row shows (``metrics.jsonl``'s names).
+METRICS = ("val_acc", "val_loss", "images_per_second", "world_size")
+#: What a row says besides the parameters; a parameter of the same name is prefixed.
+RESULT_KEYS = ("point", "status", "wall_s", *METRICS, "error", "notebook")
+STATE = ".ddpnb"  # DIR/.ddpnb/<point>.json: each point's record
+INTERRUPT_GRACE = 10.0  # seconds an interrupted cell has to stop its run before the kill
+MAX_NAME = 100  # characters of a point's name (file names stay well under 255 bytes)
+
+
+# -- command-line values, as papermill's CLI reads them ----------------------------------
+
+
+def resolve_type(text: str) -> Any:
+    """A ``-p`` value as papermill's CLI reads it: True, False, None, an int, a float, or
+    the text itself.
+
+    Example
+    -------
+    >>> [resolve_type(t) for t in ("32", "0.1", "None", "True", "resnet18")]
+    [32, 0.1, None, True, 'resnet18']
+    """
+    if text in ("True", "False", "None"):
+        return {"True": True, "False": False, "None": None}[text]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_axis(name: str, text: str) -> list[Any]:
+    """The values of ``-g NAME V1,V2,...``, each read as a ``-p`` value.
+
+    Raises ConfigError when the axis or one of its values is empty.
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
+        raise ConfigError(
+            f"-g {name} {text!r} has no values: give one or more, comma-separated "
+            f"(-g {name} 32,64), or set a single value with -p {name} VALUE."
+        )
+    if not all(items):
+        raise ConfigError(
+            f"-g {name} {text!r} has an empty value: remove the extra comma "
+            f"({','.join(i for i in items if i)!r})."
+        )
+    return [resolve_type(item) for item in items]
+
+
+# -- the plan: every point, checked before anything runs --------------------------------
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None or isinstance(value, (bool, int, float)):
+        return str(value)
+    return json.dumps(value, default=str, separators=(",", ":"))
+
+
+def _safe(text: str) -> str:
+    """``text`` as a file name: letters, digits and ``._+=,-`` kept, the rest ``_``."""
+    name = re.sub(r"[^A-Za-z0-9._+=,-]", "_", text).lstrip(".") or "point"
+    if len(name) > MAX_NAME:
+        digest = hashlib.sha1(text.encode()).hexdigest()[:8]
+        name = f"{name[: MAX_NAME - 9]}-{digest}"
+    return name
+
+
+def point_names(points: Sequence[Mapping[str, Any]], default: str) -> list[str]:
+    """A readable, file-system-safe, distinct name per point: ``batch_size=32,lr=0.1``.
+
+    ``default`` names the one point of a sweep without a grid.
+
+    Example
+    -------
+    >>> point_names([{"batch_size": 32, "data_dir": "/data/a b"}], "nb")
+    ['batch_size=32,data_dir=_data_a_b']
+    """
+    raw = [",".join(f"{k}={_text(v)}" for k, v in p.items()) or default for p in points]
+    names = [_safe(r) for r in raw]
+    for i, name in enumerate(names):
+        if names.count(name) > 1:  # two values made safe alike: tell them apart
+            names[i] = f"{name[: MAX_NAME - 9]}-{hashlib.sha1(raw[i].encode()).hexdigest()[:8]}"
+    return names
+
+
+class Point:
+    """One point of a sweep: its name, grid values, every parameter it runs with, and
+    where its notebook, its runs and its record go."""
+
+    def __init__(self, name: str, values: dict, parameters: dict, out_dir: Path, cwd: Path):
+        self.name, self.values, self.parameters = name, values, parameters
+        self.notebook = out_dir / f"{name}.ipynb"
+        self.folder = out_dir / name
+        self.record_path = out_dir / STATE / f"{name}.json"
+        self.cwd = cwd
+
+    def run_dirs(self) -> list[Path]:
+        """The run directories this point wrote: its ``run_dir``, or those under its
+        ``run_root``, each holding a ``metrics.jsonl``."""
+        found = []
+        for name in RUN_DIR_PARAMETERS:
+            value = self.parameters.get(name)
+            if not isinstance(value, str) or not value:
+                continue
+            path = self.cwd / value
+            if name == "run_dir":
+                found += [path] if (path / "metrics.jsonl").is_file() else []
+            elif path.is_dir():
+                found += sorted(p for p in path.iterdir() if (p / "metrics.jsonl").is_file())
+        return found
+
+    def record(self) -> dict:
+        try:
+            value = json.loads(self.record_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    def write_record(self, **record: Any) -> None:
+        self.record_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.record_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"point": self.name, **record}, indent=1, default=str) + "\n")
+        os.replace(tmp, self.record_path)
+
+    def is_done(self) -> bool:
+        """Its notebook exists and finished without error."""
+        return self.record().get("status") == "done" and self.notebook.is_file()
+
+
+def notebook_parameters(notebook: Path) -> dict[str, Any]:
+    """The names in the notebook's cell tagged ``parameters``, each with its default
+    (``None`` where the default is not a plain literal)."""
+    import papermill
+
+    try:
+        found = papermill.inspect_notebook(str(notebook))
+    except Exception as e:  # not JSON, not a notebook, no kernelspec papermill knows
+        raise ConfigError(f"Cannot read notebook {notebook}: {e}. Give a Jupyter notebook.") from e
+    defaults = {}
+    for name, info in found.items():
+        try:
+            defaults[name] = ast.literal_eval(info.get("default") or "None")
+        except (ValueError, SyntaxError):
+            defaults[name] = None
+    return defaults
+
+
+def _check_names(notebook: Path, known: dict, grid: Mapping, parameters: Mapping) -> None:
+    both = sorted(set(grid) & set(parameters))
+    if both:
+        raise ConfigError(
+            f"{both[0]!r} is given both as a fixed parameter (-p) and as a grid axis (-g): "
+            "keep one of them."
+        )
+    unknown = [n for n in [*parameters, *grid] if n not in known]
+    if unknown and not known:
+        raise ConfigError(
+            f"{notebook} has no cell tagged 'parameters', so it takes none ({unknown[0]!r} "
+            "given): tag its first code cell 'parameters' (Jupyter: View > Cell Toolbar > Tags)."
+        )
+    if unknown:
+        raise ConfigError(
+            f"{notebook} has no parameter {unknown[0]!r}. Its parameters cell names: "
+            f"{', '.join(known)}."
+        )
+    for name, values in grid.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise ConfigError(
+                f"grid[{name!r}] must be a list of values, got {values!r}: e.g. "
+                f"grid={{{name!r}: [32, 64]}}."
+            )
+        if not values:
+            raise ConfigError(
+                f"grid axis {name!r} has no values, so the sweep would have no points: give "
+                "it one or more values, or leave it out."
+            )
+
+
+def _absolute(path: str | os.PathLike, cwd: Path) -> Path:
+    return Path(os.path.normpath(cwd / Path(path)))
+
+
+def plan(
+    notebook: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    grid: Mapping[str, Sequence[Any]] | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> list[Point]:
+    """Every point of the sweep, checked; runs nothing. Raises ConfigError."""
+    cwd = Path(cwd or os.getcwd()).resolve()
+    notebook, out_dir = _absolute(notebook, cwd), _absolute(out_dir, cwd)
+    grid, parameters = dict(grid or {}), dict(parameters or {})
+    if not notebook.is_file():
+        raise ConfigError(
+            f"Notebook {notebook} does not exist: give the path of an .ipynb file "
+            "(relative to the current folder)."
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir} is a file: give a folder for the sweep's outputs.")
+    known = notebook_parameters(notebook)
+    _check_names(notebook, known, grid, parameters)
+    parameters = {
+        k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in parameters.items()
+    }
+    combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    points = []
+    for name, values in zip(point_names(combos, _safe(notebook.stem)), combos):
+        given = {**parameters, **values}
+        for param in RUN_DIR_PARAMETERS:  # each point's runs inside its own folder
+            if param in known and param not in given:
+                default = known[param]
+                leaf = Path(default).name if isinstance(default, str) and default else "run"
+                given[param] = str(out_dir / name / leaf)
+        points.append(Point(name, values, given, out_dir, cwd))
+    _check_run_dirs_apart(points)
+    return points
+
+
+def _check_run_dirs_apart(points: list[Point]) -> None:
+    """Two points writing one run directory would overwrite each other."""
+    seen: dict[tuple[str, Path], str] = {}
+    for point in points:
+        for param in RUN_DIR_PARAMETERS:
+            value = point.parameters.get(param)
+            if not isinstance(value, str):
+                continue
+            key = (param, (point.cwd / value).resolve())
+            if key in seen:
+                raise ConfigError(
+                    f"Points {seen[key]} and {point.name} would both write {param}={value!r} "
+                    f"and overwrite each other: leave {param} out (each point's run then goes "
+                    f"into its own folder under the sweep's output folder), or make it a grid "
+                    "axis with one value per point."
+                )
+            seen[key] = point.name
+
+
+def _check_existing(points: list[Point], notebook: Path, overwrite: bool) -> None:
+    """Nothing a user produced is replaced without ``overwrite``."""
+    if overwrite:
+        return
+    for point in points:
+        record = point.record()
+        taken = [p for p in (point.notebook, point.folder) if p.exists()]
+        if not record and taken:
+            raise ConfigError(
+                f"{taken[0]} exists and was not written by a sweep: move it, choose another "
+                "output folder, or pass overwrite=True (--overwrite) to replace it."
+            )
+        changed = _differences(record, notebook, point) if record else []
+        if changed:
+            raise ConfigError(
+                f"Point {point.name} in {point.notebook.parent} was run with other settings "
+                f"({'; '.join(changed)}): choose another output folder, or pass "
+                "overwrite=True (--overwrite) to redo it with these."
+            )
+
+
+def _differences(record: dict, notebook: Path, point: Point) -> list[str]:
+    """What differs between a point's record and how this sweep would run it."""
+    changed = []
+    if record.get("notebook") != str(notebook):
+        changed.append(f"notebook {record.get('notebook')} then, {notebook} now")
+    then, now = _jsonable(record.get("parameters") or {}), _jsonable(point.parameters)
+    for name in dict.fromkeys([*then, *now]):
+        if then.get(name, ...) != now.get(name, ...):
+            before, after = (repr(d[name]) if name in d else "unset" for d in (then, now))
+            changed.append(f"{name} {before} then, {after} now")
+    return changed
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as it reads back from a record (tuples become lists, paths text)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+# -- running one point ---------------------------------------------------------------------
+
+
+def _recording_kernel_manager(seen: list):
+    """ddpnb's IPC kernel manager, which also notes every kernel it manages in ``seen``."""
+    from .demo import ipc_kernel_manager
+
+    class Recording(ipc_kernel_manager()):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            seen.append(self)
+
+    return Recording
+
+
+def _kernel_groups(managers: list) -> list[int]:
+    """The process groups of the kernels started so far (each kernel leads its own)."""
+    groups = []
+    for km in managers:
+        provisioner = getattr(km, "provisioner", None)
+        pgid = getattr(provisioner, "pgid", None)
+        if pgid:
+            groups.append(pgid)
+    return groups
+
+
+def _signal_groups(groups: list[int], sig: int) -> None:
+    for pgid in groups:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _stop_point(managers: list, finished: threading.Event, grace: float) -> None:
+    """Ctrl-C during a point: interrupt its kernel (the cell raises KeyboardInterrupt, and a
+    ddpnb run in it stops its processes, as the notebook's stop button does), give it
+    ``grace`` seconds, then kill the kernel's process group; a ddpnb run whose kernel is
+    killed ends through its lifeline. A second Ctrl-C kills at once."""
+    interrupted: set[int] = set()
+    deadline = time.monotonic() + grace
+    try:
+        while not finished.is_set() and time.monotonic() < deadline:
+            fresh = [g for g in _kernel_groups(managers) if g not in interrupted]
+            _signal_groups(fresh, signal.SIGINT)
+            interrupted.update(fresh)
+            finished.wait(0.2)
+    except KeyboardInterrupt:
+        pass
+    _signal_groups(_kernel_groups(managers), signal.SIGKILL)
+    try:
+        finished.wait(2.0)  # papermill notices and writes the notebook as far as it ran
+    except KeyboardInterrupt:
+        pass
+
+
+def _first_line(error: BaseException) -> str:
+    ename, evalue = getattr(error, "ename", None), getattr(error, "evalue", None)
+    if ename is not None:  # papermill's PapermillExecutionError: the cell's own exception
+        text = f"{ename}: {evalue}" if evalue else str(ename)
+    else:
+        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
+
+
+def _execute(point: Point, source: Path, timeout: float | None, kernel_name: str | None) -> str:
+    """Run the point's notebook with papermill in a thread (so that Ctrl-C reaches this one
+    and stops the kernel); ``""`` when it finished, else the error's first line."""
+    import papermill
+
+    managers: list = []
+    outcome: list[BaseException] = []
+    # An Event, not Thread.join: before Python 3.13 a join interrupted by Ctrl-C can mark
+    # the thread as ended while it still runs (the bpo-45274 branch of _wait_for_tstate_lock).
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            papermill.execute_notebook(
+                str(source),
+                str(point.notebook),
+                parameters=point.parameters,
+                kernel_name=kernel_name,
+                execution_timeout=timeout,
+                cwd=str(point.cwd),
+                progress_bar=False,
+                kernel_manager_class=_recording_kernel_manager(managers),
+            )
+        except BaseException as e:  # noqa: BLE001 - reported in the table
+            outcome.append(e)
+        finally:
+            finished.set()
+
+    thread = threading.Thread(target=run, name=f"ddpnb-sweep {point.name}", daemon=True)
+    thread.start()
+    try:
+        finished.wait()
+    except KeyboardInterrupt:
+        _stop_point(managers, finished, INTERRUPT_GRACE)
+        raise
+    return _first_line(outcome[0]) if outcome else ""
+
+
+def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: str | None):
+    """Run one point (its folder cleared first), recording its state as it goes."""
+    if point.folder.is_dir() and point.record():  # ours: a failed or redone point's runs
+        shutil.rmtree(point.folder)
+    point.folder.mkdir(parents=True, exist_ok=True)
+    base = {"notebook": str(source), "parameters": point.parameters}
+    point.write_record(status="running", **base)
+    start = time.monotonic()
+    try:
+        error = _execute(point, source, timeout, kernel_name)
+    except KeyboardInterrupt:
+        wall = time.monotonic() - start
+        point.write_record(status="interrupted", wall_s=wall, error="interrupted", **base)
+        raise
+    wall = time.monotonic() - start
+    status = "failed" if error else "done"
+    point.write_record(status=status, wall_s=wall, error=error, **base)
+
+
+# -- the table ---------------------------------------------------------------------------
+
+
+class SweepResult(Table):
+    """The sweep's table: one row dict per point (its parameters, ``status``, ``wall_s``,
+    the final ``val_acc``, ``val_loss``, ``images_per_second``, ``world_size``, the
+    ``error``'s first line, the ``notebook``). Prints as a text table, renders as HTML in a
+    notebook; ``summary.csv`` holds the same rows.
+
+    Attributes: ``out_dir``, ``axes`` (the grid's names), ``fixed`` (the parameters every
+    point shares), ``runs`` (each point's run directories), ``summary`` (the CSV's path),
+    ``figure`` (``curves.png``'s path; ``None`` while no run has metrics), ``ok`` (every
+    point done or skipped).
+    """
+
+    def __init__(self, rows, out_dir: Path, axes: list[str], fixed: dict, runs: dict):
+        super().__init__(rows)
+        self.out_dir, self.axes, self.fixed, self.runs = out_dir, axes, fixed, runs
+        self.summary = out_dir / "summary.csv"
+        self.figure: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(row["status"] in ("done", "skipped") for row in self)
+
+    def shown(self) -> list[dict]:
+        """The rows as displayed: point, the grid's values, status, time and metrics."""
+        keys = ["point", *self.axes, "status", "wall_s", *METRICS]
+        return [{k: row.get(k, "") for k in keys} for row in self]
+
+    def __str__(self) -> str:
+        lines = [str(Table(self.shown()))]
+        lines += [f"{r['point']}: {r['error']}" for r in self if r["status"] == "failed"]
+        lines.append(f"table: {_shown(self.summary)}")
+        if self.figure:
+            lines.append(f"curves: {_shown(self.figure)}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = self.shown()
+        for shown, row in zip(rows, self):
+            shown["error"] = row.get("error", "")
+        header = list(rows[0]) if rows else []
+        head = "".join(f"<th>{html.escape(k)}</th>" for k in header)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(_cell(r[k]))}</td>" for k in header) + "</tr>"
+            for r in rows
+        )
+        fixed = ", ".join(f"{k}={_text(v)}" for k, v in self.fixed.items())
+        caption = html.escape(f"sweep in {self.out_dir}" + (f"; fixed: {fixed}" if fixed else ""))
+        return (
+            f"<table><caption>{caption}</caption><thead><tr>{head}</tr></thead>"
+            f"<tbody>{body}</tbody></table>"
+        )
+
+    def curves(self):
+        """Every point's loss and accuracy curves in one matplotlib Figure (as in
+        ``curves.png``); ``None`` while no run has metrics."""
+        return plot_points(self.runs)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the current folder when it lies below it."""
+    try:
+        return str(path.relative_to(os.getcwd()))
+    except ValueError:
+        return str(path)
+
+
+def plot_points(runs: Mapping[str, Sequence[Path]]):
+    """The curves of every point's run directories in one Figure, each labelled with its
+    point's name (``point/run`` for a point with several); ``None`` when there are none."""
+    from .plot import plot_curves
+
+    dirs, labels = [], []
+    for name, paths in runs.items():
+        for path in paths:
+            dirs.append(path)
+            labels.append(name if len(paths) == 1 else f"{name}/{Path(path).name}")
+    return plot_curves(dirs, labels=labels) if dirs else None
+
+
+def _row(point: Point, status: str) -> dict:
+    """A point's row: its parameters, status, wall time and its run's final metrics."""
+    record = point.record()
+    row: dict[str, Any] = {"point": point.name}
+    for name, value in point.parameters.items():
+        row[name if name not in RESULT_KEYS else f"parameter {name}"] = _text(value)
+    row.update(point.values)  # the grid's values keep their type (numbers line up right)
+    runs = point.run_dirs()
+    final = load_metrics(runs[0]).final if len(runs) == 1 else {}
+    wall = record.get("wall_s")
+    ran = isinstance(wall, (int, float)) and status != "not run"
+    row.update(
+        status=status,
+        wall_s=round(wall, 1) if ran else "",
+        **{k: final.get(k, "") for k in METRICS},
+        error=record.get("error", "") if status == "failed" else "",
+        notebook=point.notebook.name if point.notebook.exists() else "",
+    )
+    return row
+
+
+def write_summary(rows: list[dict], path: Path) -> None:
+    """The rows as CSV (written to a temporary file, then moved into place)."""
+    header = list(dict.fromkeys(k for row in rows for k in row))
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, header)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _gather(points: list[Point], statuses: dict[str, str], grid: Mapping, fixed: Mapping):
+    """The table as it stands, written to summary.csv. A point not reached in this sweep
+    reads "done" when an earlier one did it, else "not run"."""
+    rows, runs = [], {}
+    for p in points:
+        status = statuses.get(p.name) or ("done" if p.is_done() else "not run")
+        rows.append(_row(p, status))
+        runs[p.name] = p.run_dirs()
+    out_dir = points[0].notebook.parent
+    write_summary(rows, out_dir / "summary.csv")
+    return SweepResult(rows, out_dir, list(grid), dict(fixed), runs)
+
+
+def _draw(result: SweepResult) -> SweepResult:
+    """curves.png: a pure function of the points' run directories."""
+    fig = result.curves()
+    if fig is not None:
+        result.figure = result.out_dir / "curves.png"
+        fig.savefig(result.figure, dpi=110)
+    return result
+
+
+# -- the sweep -----------------------------------------------------------------------------
+
+
+def _say(point: Point, index: int, total: int, status: str) -> None:
+    record = point.record()
+    wall = record.get("wall_s") or 0.0
+    if status == "skipped":
+        text = f"skipped: done before ({point.notebook.name})"
+    elif status == "failed":
+        text = f"failed after {wall:.0f} s: {record.get('error')} (see {_shown(point.notebook)})"
+    else:
+        runs = point.run_dirs()
+        final = load_metrics(runs[0]).final if len(runs) == 1 else {}
+        figures = f": val_acc {final['val_acc']:.4f}" if "val_acc" in final else ""
+        text = f"done in {wall:.0f} s{figures}"
+    print(f"[{index}/{total}] {point.name}: {text}", flush=True)
+
+
+def sweep(
+    notebook: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    grid: Mapping[str, Sequence[Any]] | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+    timeout: float | None = 3600,
+    kernel_name: str | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> SweepResult:
+    """Run ``notebook`` with papermill once per point of ``grid``; gather one table.
+
+    Parameters
+    ----------
+    notebook:
+        The notebook; its cell tagged ``parameters`` names what may be set.
+    out_dir:
+        Where everything goes: ``<point>.ipynb`` per point, ``<point>/`` with its runs,
+        ``summary.csv``, ``curves.png``. A point's name is its grid values,
+        ``batch_size=32,lr=0.1`` (characters other than letters, digits and ``._+=,-``
+        become ``_``); a sweep without a grid has one point, named after the notebook.
+    grid:
+        ``{name: [values...]}``: the points are the product of the axes.
+    parameters:
+        ``{name: value}`` for every point.
+    overwrite:
+        Redo the points already done (and replace outputs a sweep did not write).
+        Without it a point already done is skipped and kept, and a failed or interrupted
+        one runs again.
+    timeout:
+        Seconds each cell may run (``None``: no limit); a cell over it fails its point.
+    kernel_name:
+        The Jupyter kernel (default: the notebook's own).
+    cwd:
+        The folder the notebooks run in (default: the current folder), so relative paths
+        in the parameters (``data_dir="data/digits"``) mean what they mean here.
+
+    A notebook parameter ``run_dir`` or ``run_root`` not given is set to
+    ``out_dir/<point>/<the default's last part>`` (notebook 02's ``runs/baseline`` becomes
+    ``out_dir/batch_size=32/baseline``), so runs never overwrite each other. One given (a
+    grid axis, or ``parameters`` for a single point) is used as given; two points that
+    would share one are refused.
+
+    Returns
+    -------
+    SweepResult: the table (also ``out_dir/summary.csv``, rewritten after every point).
+    ``result.ok`` says whether every point succeeded; a failed point does not stop the
+    others, and its row holds the error's first line.
+
+    Raises
+    ------
+    ConfigError: before anything runs, for a missing notebook, an unknown parameter (the
+    message lists the notebook's), an empty grid axis, a name both in ``grid`` and
+    ``parameters``, or outputs in ``out_dir`` that this sweep would replace.
+    KeyboardInterrupt: Ctrl-C stops the running point (its kernel is interrupted, then
+    shut down; a ddpnb run in it stops with it), records it as interrupted and keeps the
+    finished points and the table.
+
+    Example
+    -------
+    >>> r = sweep("notebooks/02_single_node_baseline.ipynb", "runs/sweep",      # doctest: +SKIP
+    ...           grid={"batch_size": [32, 64]}, parameters={"epochs": 2})
+    >>> r.ok, r[0]["val_acc"]                                                    # doctest: +SKIP
+    """
+    points = plan(notebook, out_dir, grid, parameters, cwd)
+    source = _absolute(notebook, points[0].cwd)
+    _check_existing(points, source, overwrite)
+    points[0].notebook.parent.mkdir(parents=True, exist_ok=True)
+    grid, parameters = dict(grid or {}), dict(parameters or {})
+    statuses: dict[str, str] = {}
+    for i, point in enumerate(points, 1):
+        if point.is_done() and not overwrite:
+            statuses[point.name] = "skipped"
+        else:
+            print(f"[{i}/{len(points)}] {point.name}: running", flush=True)
+            try:
+                _run_point(point, source, timeout, kernel_name)
+            except KeyboardInterrupt:
+                statuses[point.name] = "interrupted"
+                _gather(points, statuses, grid, parameters)  # the table as it stands
+                raise
+            statuses[point.name] = point.record().get("status", "failed")
+        _say(point, i, len(points), statuses[point.name])
+        result = _draw(_gather(points, statuses, grid, parameters))
+    return result
