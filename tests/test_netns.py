@@ -195,7 +195,13 @@ def test_the_instructors_two_laptop_steps(veth_pair, tmp_path):
     for command in commands[:5]:  # data, fingerprint, worker, the lines: on laptop A
         for example, addr in zip(EXAMPLE_ADDRESSES, addrs):
             command = command.replace(example, addr)
-        argv = ["ip", "netns", "exec", ns_a, *shlex.split(command.replace(ROOM, str(room)))]
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            ns_a,
+            *shlex.split(command.replace(ROOM, str(room)), comments=True),
+        ]
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
         printed[command.split()[1]] = done.stdout
@@ -230,6 +236,6 @@ def test_the_instructors_two_laptop_steps(veth_pair, tmp_path):
     run = ddpnb.load_metrics(room / "run")
     assert [e["epoch"] for e in run.epochs] == [1, 2] and run.final["world_size"] == 2
     print(f"two 'laptops' trained {len(run.epochs)} epochs in {time.monotonic() - started:.0f} s")
-    plot = shlex.split(commands[5].replace(ROOM, str(room)))
+    plot = shlex.split(commands[5].replace(ROOM, str(room)), comments=True)
     subprocess.run(plot, env=env, check=True, capture_output=True, cwd=tmp_path, timeout=120)
     assert (tmp_path / "curves.png").stat().st_size > 10_000
