@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from .metrics import RunMetrics
 from .report import RunLike, as_metrics, rank_table, scaling_table
@@ -80,6 +80,7 @@ def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None 
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="Accuracy", ylim=(0, 1.02))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs: 1, 2, never 1.5
         if ax.lines:
             ax.legend(fontsize=8)
     return fig

@@ -168,3 +168,17 @@ def test_a_log_loss_axis_within_one_decade_has_several_labels():
     low, high = ax.get_ylim()
     shown = [t.get_text() for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high]
     assert {"0.07", "0.1", "0.15"} <= set(shown) and len(shown) >= 4, shown  # one above 0.1
+
+
+def test_the_epoch_axis_has_whole_epochs_only(tmp_path):
+    """Two epochs: ticks at 1 and 2, not 1.2, 1.4 ... (nor 0.5 and 2.5)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"epoch": e, "train_loss": 1.0 / e, "val_loss": 1.2 / e, "val_acc": 0.4 * e}
+            for e in (1, 2)]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = ddpnb.plot_curves(run)
+    fig.canvas.draw()
+    for ax in fig.axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
