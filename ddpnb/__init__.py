@@ -7,20 +7,17 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
-from .cluster import node_commands, slurm_script
 from .config import TrainConfig
 from .data import inspect_dataset, prepare_digits
 from .errors import DdpnbError, WorkerFailed
 from .job import Job
 from .launch import launch, train_single
 from .metrics import load_metrics
-from .remote import check_hosts, ssh_commands
 from .rundir import write_worker
 from .script import Script
-from .scriptcheck import check_script
-from .slurm import attach, submit_slurm
 from .sweep import sweep
 
 __all__ = [
@@ -50,8 +47,20 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-# The plots need matplotlib: loaded on first use, so that ``import ddpnb`` stays light.
-_LAZY = {"plot_curves": "plot", "plot_scaling": "plot", "plot_throughput": "plot"}
+# Loaded on first use, so that ``import ddpnb`` stays light: the plots (matplotlib), the
+# SSH and Slurm backends, the script check.
+_LAZY = {
+    "plot_curves": "plot",
+    "plot_scaling": "plot",
+    "plot_throughput": "plot",
+    "check_hosts": "remote",
+    "ssh_commands": "remote",
+    "attach": "slurm",
+    "submit_slurm": "slurm",
+    "check_script": "scriptcheck",
+    "node_commands": "cluster",
+    "slurm_script": "cluster",
+}
 
 
 def __getattr__(name: str):
@@ -59,6 +68,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value  # later lookups skip this function
         return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
+        return importlib.import_module(f".{name}", __name__)  # a module: ddpnb.cluster.X
     raise AttributeError(f"module 'ddpnb' has no attribute {name!r}")
 
 
@@ -67,4 +78,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never runs
+    from .cluster import node_commands, slurm_script
     from .plot import plot_curves, plot_scaling, plot_throughput
+    from .remote import check_hosts, ssh_commands
+    from .scriptcheck import check_script
+    from .slurm import attach, submit_slurm

@@ -61,29 +61,58 @@ def node_commands(
     >>> cmds[1].split()[:3]
     ['torchrun', '--nnodes=2', '--node_rank=1']
     """
+    argvs = node_argvs(
+        what, run_dir, hosts, nproc_per_node, master_port, rendezvous, max_restarts, rdzv_timeout
+    )
+    if node_rank is not None and not (isinstance(node_rank, int) and 0 <= node_rank < len(argvs)):
+        raise ConfigError(
+            f"node_rank must be in 0..{len(argvs) - 1} (node_rank < nnodes = len(hosts)), "
+            f"got {node_rank!r}."
+        )
+    lines = [shlex.join(argv) for argv in argvs]
+    return lines if node_rank is None else [lines[node_rank]]
+
+
+def node_argvs(
+    what: Script | TrainConfig | Mapping[str, Any],
+    run_dir: str | os.PathLike,
+    hosts: Sequence[str],
+    nproc_per_node: int = 1,
+    master_port: int = 29500,
+    rendezvous: str = "static",
+    max_restarts: int = 0,
+    rdzv_timeout: int = 60,
+    *,
+    launcher: Sequence[str] = ("torchrun",),
+) -> list[list[str]]:
+    """:func:`node_commands`' lines as argument lists, each starting with ``launcher``."""
     script = what if isinstance(what, Script) else worker_script(as_config(what))
     hosts = list(hosts)
     if not hosts or not all(isinstance(h, str) and h for h in hosts):
         raise ConfigError("hosts must be a non-empty list of host names or addresses.")
-    nnodes = len(hosts)
-    topology = Topology(nnodes, nproc_per_node, hosts[0], master_port, rdzv_timeout, max_restarts)
-    if node_rank is not None and not (isinstance(node_rank, int) and 0 <= node_rank < nnodes):
-        raise ConfigError(
-            f"node_rank must be in 0..{nnodes - 1} (node_rank < nnodes = len(hosts)), got {node_rank!r}."
-        )
+    topology = Topology(
+        len(hosts), nproc_per_node, hosts[0], master_port, rdzv_timeout, max_restarts
+    )
     if _is_public(hosts[0]):
         warnings.warn(
             f"master address {hosts[0]} is a public address. torch.distributed's TCPStore has no "
             "authentication: run multi-node jobs only on a trusted private network.",
-            stacklevel=2,
+            stacklevel=3,  # the caller of node_commands or ssh_commands
         )
     # Unique per run directory, so two jobs on one endpoint cannot collide.
     rdzv_id = f"ddpnb-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}"
-    lines = []
-    for rank, host in enumerate(hosts):
-        opts = topology.torchrun_args(rank, rendezvous=rendezvous, rdzv_id=rdzv_id, local_addr=host)
-        lines.append(shlex.join(["torchrun", *opts, *script.command(str(run_dir))]))
-    return lines if node_rank is None else [lines[node_rank]]
+    return [
+        topology.command(
+            launcher,
+            rank,
+            script,
+            str(run_dir),
+            rendezvous=rendezvous,
+            rdzv_id=rdzv_id,
+            local_addr=host,
+        )
+        for rank, host in enumerate(hosts)
+    ]
 
 
 def format_node_commands(hosts: Sequence[str], commands: Sequence[str]) -> str:
@@ -181,10 +210,16 @@ $SLURMD_NODENAME cannot see $0, the marker written at submission: the run direct
 be on a filesystem shared by the submit host and every node." >&2; exit 97; }}' \\
     {marker_path} {q(marker)}
 """
-    args = topology.torchrun_args(
-        None, log_dir="", rendezvous="c10d", rdzv_id="$SLURM_JOB_ID", port=port
+    args = topology.command(
+        [],
+        None,
+        script,
+        str(run_dir),
+        log_dir="",
+        rendezvous="c10d",
+        rdzv_id="$SLURM_JOB_ID",
+        port=port,
     )
-    args += script.command(str(run_dir))
     torchrun = " \\\n    ".join(_batch_word(a) for a in args)
     exports = "".join(f"export {k}={q(v)}\n" for k, v in (env or {}).items())
     network = ""

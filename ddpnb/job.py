@@ -45,6 +45,14 @@ class Backend(Protocol):
 
     hosts: list[str] | None  # per node, as the user named them (None: this machine)
     watch_stalls: bool  # a silent run is a stalled one (not while a scheduler queues it)
+    outlives_launcher: bool  # the run belongs to a scheduler, not to this process
+    procs: dict[int, subprocess.Popen]  # this machine's process of each node ({}: none)
+    job_id: str | None  # the scheduler's id of the run (Slurm's job id), else None
+    master_addr: str | None  # node 0's address once a scheduler names it, else None
+    state: str | None  # the scheduler's state of the run ("RUNNING", ...), else None
+
+    def batch_log(self) -> Path | None:
+        """The scheduler's own log of the run (sbatch's output), or None."""
 
     def poll(self) -> dict[int, int | None]:
         """Each node's exit code, None while it runs (or waits to)."""
@@ -122,7 +130,7 @@ def _close_lifelines_in_child() -> None:
 @atexit.register
 def _stop_live_jobs() -> None:  # a kernel restart must not leave workers behind
     for job in list(_live_jobs):
-        if not getattr(job.backend, "outlives_launcher", False):  # a Slurm job does
+        if not job.backend.outlives_launcher:  # a Slurm job does
             job.stop()
 
 
@@ -135,6 +143,8 @@ class Processes:
 
     hosts: list[str] | None = None
     watch_stalls = True
+    outlives_launcher = False
+    job_id = master_addr = state = None  # no scheduler
 
     def __init__(self) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
@@ -220,6 +230,9 @@ class Processes:
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
         return error
 
+    def batch_log(self) -> Path | None:
+        return None
+
 
 class Job:
     """A launched run: its nodes, files and gathered metrics.
@@ -269,20 +282,19 @@ class Job:
     nproc_per_node = property(lambda self: self.topology.nproc_per_node)
     world_size = property(lambda self: self.topology.world_size)
     # A Slurm job's first node is known once it runs.
-    master_addr = property(
-        lambda self: getattr(self.backend, "master_addr", None) or self.topology.master_addr
-    )
+    master_addr = property(lambda self: self.backend.master_addr or self.topology.master_addr)
     master_port = property(lambda self: self.topology.master_port)
     rdzv_timeout = property(lambda self: self.topology.rdzv_timeout)
     max_restarts = property(lambda self: self.topology.max_restarts)
     hosts = property(lambda self: self.backend.hosts)
-    procs = property(lambda self: getattr(self.backend, "procs", {}))
+    procs = property(lambda self: self.backend.procs)
+    # A scheduler's (Slurm): the job's id, its state ("PENDING", "RUNNING", ...); else None.
+    job_id = property(lambda self: self.backend.job_id)
+    state = property(lambda self: self.backend.state)
 
-    def __getattr__(self, name: str) -> Any:
-        # What only one backend has (a Slurm job's job_id, state, batch_log()).
-        if name.startswith("_") or name == "backend":
-            raise AttributeError(name)
-        return getattr(self.backend, name)
+    def batch_log(self) -> Path | None:
+        """A Slurm job's batch script output (``logs/slurm-<job id>.out``); else None."""
+        return self.backend.batch_log()
 
     # -- state -------------------------------------------------------------------
 

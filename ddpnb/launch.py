@@ -213,12 +213,13 @@ class Local:
         }
         try:
             for n in self.nodes:
-                cmd = [
-                    sys.executable,
-                    str(AGENT),  # torchrun; binds a loopback rendezvous to loopback only
-                    *topology.torchrun_args(n, log_dir=str(run_dir / "logs" / f"node-{n}")),
-                    *plan.script.command(str(run_dir)),
-                ]
+                cmd = topology.command(  # the agent: torchrun, its store bound to loopback
+                    [sys.executable, str(AGENT)],
+                    n,
+                    plan.script,
+                    str(run_dir),
+                    log_dir=str(run_dir / "logs" / f"node-{n}"),
+                )
                 nodes.start(
                     n,
                     cmd,

@@ -27,6 +27,7 @@ class Followed(Protocol):
     master_addr: str
     master_port: int
     waiting: Any  # the hang watch's verdict (ddpnb.hang.Verdict) while not "ok", else None
+    hosts: list[str] | None  # per node, as the user named them (SSH); None: this machine
 
     @property
     def metrics(self) -> RunMetrics: ...
@@ -34,6 +35,8 @@ class Followed(Protocol):
     def node_status(self) -> dict[int, str]: ...
 
     def last_line(self, node: int) -> str: ...
+
+    def node_steps(self) -> dict[int, int]: ...
 
 
 PLOT_INTERVAL = 1.0  # seconds between live-plot redraws at most
@@ -156,7 +159,7 @@ def _start_line(job: Followed) -> str:
         f"ddpnb: {job.nnodes} node(s) x {job.nproc_per_node} process(es) = world size "
         f"{job.world_size}; node 0 is the master and hosts the rendezvous at "
         f"{job.master_addr}:{job.master_port}; run dir {job.run_dir}"
-        + (f"; hosts {', '.join(hosts)}" if (hosts := getattr(job, "hosts", None)) else "")
+        + (f"; hosts {', '.join(hosts)}" if (hosts := job.hosts) else "")
     )
 
 
@@ -185,7 +188,7 @@ class TextProgress:
         for row in rows[self.printed :]:
             print(_epoch_line(row, self.job.epochs), flush=True)
         self.printed = max(self.printed, len(rows))
-        waiting = getattr(self.job, "waiting", None)
+        waiting = self.job.waiting
         kind = waiting.kind if waiting is not None else None
         if kind != self.said and kind in WAITING_STYLE:
             print(f"ddpnb: {WAITING_STYLE[kind][0].lower()}: {waiting.message}", flush=True)
@@ -264,12 +267,12 @@ class WidgetProgress:
         self.update()
 
     def _set_nodes(self) -> None:
-        steps = getattr(self.job, "node_steps", dict)()  # optimizer steps, from the hang watch
+        steps = self.job.node_steps()  # optimizer steps, from the hang watch
         for n, state in self.job.node_status().items():
             color = STATUS_COLORS.get(state.split(" ")[0], "#888")
             ranks = range(n * self.job.nproc_per_node, (n + 1) * self.job.nproc_per_node)
             role = " (master, hosts the rendezvous)" if n == 0 else ""
-            hosts = getattr(self.job, "hosts", None)  # real hosts (SSH): name each node's
+            hosts = self.job.hosts  # real hosts (SSH): name each node's
             if hosts:
                 role = f" on {escape(hosts[n])}{role}"
             last = escape(self.job.last_line(n)[:200])  # the node's latest line; CSS cuts its end
@@ -291,7 +294,7 @@ class WidgetProgress:
                 self.node_rows[n].value = html
 
     def _set_waiting(self) -> None:
-        verdict = getattr(self.job, "waiting", None)
+        verdict = self.job.waiting
         html = ""
         if verdict is not None and verdict.kind in WAITING_STYLE:
             label, color = WAITING_STYLE[verdict.kind]

@@ -459,13 +459,11 @@ def agent_command(
     The agent's source travels in the command line (``python -c``), so the hosts need
     nothing of ddpnb; the shown line abbreviates it to ``<ddpnb agent>``.
     """
-    torchrun = [
-        *topology.torchrun_args(node, log_dir=f"{remote_dir}/logs/node-{node}"),
-        *script.command(remote_dir),
-    ]
-    remote = remote_line([python, "-c", AGENT.read_text(), *torchrun], cwd=remote_dir, env=env)
+    log_dir = f"{remote_dir}/logs/node-{node}"
+    argv = topology.command([python, "-c", "AGENT"], node, script, remote_dir, log_dir=log_dir)
+    remote = remote_line([*argv[:2], AGENT.read_text(), *argv[3:]], cwd=remote_dir, env=env)
     cmd = ssh.command(host, remote)
-    shown = remote_line([python, "-c", "AGENT", *torchrun], cwd=remote_dir, env=env)
+    shown = remote_line(argv, cwd=remote_dir, env=env)
     shown = shown.replace(" -c AGENT ", " -c '<ddpnb agent>' ")
     return cmd, f"{shlex.join(cmd[:-1])}  # runs, on that host:\n    {shown}"
 
@@ -497,18 +495,18 @@ def ssh_commands(
     >>> ssh_commands(Script("train.py"), "/shared/run", ["gpu1", "gpu2"])[1]   # doctest: +SKIP
     "ssh -t -- gpu2 'cd /shared/run && torchrun --nnodes=2 --node_rank=1 ... /shared/run/train.py'"
     """
-    from .cluster import node_commands
+    from .cluster import node_argvs
 
     parsed = parse_hosts(hosts)
     ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
     addresses = [ssh.hostname(h) for h in parsed]
-    lines = node_commands(what, run_dir, addresses, nproc_per_node, master_port)
-    launcher = shlex.join([python, "-m", "torch.distributed.run"]) if python else "torchrun"
+    launcher = [python, "-m", "torch.distributed.run"] if python else ["torchrun"]
+    argvs = node_argvs(what, run_dir, addresses, nproc_per_node, master_port, launcher=launcher)
     out = []
-    for n, (host, line) in enumerate(zip(parsed, lines)):
+    for n, (host, argv) in enumerate(zip(parsed, argvs)):
         env = network.env(n) if network is not None else {}
-        prefix = shlex.join(["env", *(f"{k}={v}" for k, v in env.items())]) + " " if env else ""
-        remote = f"cd {shlex.quote(str(run_dir))} && {prefix}{launcher}{line[len('torchrun') :]}"
+        prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+        remote = f"cd {shlex.quote(str(run_dir))} && {shlex.join([*prefix, *argv])}"
         cmd = ["ssh", *(["-F", str(ssh.config)] if ssh.config else []), *ssh.options]
         cmd += [*(["-p", str(host.port)] if host.port else []), "-t", "--", host.destination]
         out.append(shlex.join([*cmd, remote]))

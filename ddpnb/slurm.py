@@ -272,8 +272,8 @@ class SlurmNodes:
 
     Slurm is asked how they are (``scontrol``, at most every POLL_SECONDS), ``stop()``
     is ``scancel`` until Slurm reports the end. The run directory is shared, so no file
-    moves. Attributes a Job forwards: ``job_id``, ``state``, ``slurm_state()``,
-    ``batch_log()``.
+    moves. What only a scheduler has, ``job_id``, ``state`` and ``batch_log()``, the Job
+    shows as its own.
     """
 
     hosts = None

@@ -1,13 +1,15 @@
 """The shape of a run: how many nodes and processes, where they meet, and torchrun's options.
 
-One value instead of six keywords passed around together. :meth:`Topology.torchrun_args`
-is the one place torchrun's command line is built: the launcher, the per-node commands,
-the SSH hosts and the sbatch script all read it.
+One value instead of six keywords passed around together. :meth:`Topology.command` is
+the one place a node's torchrun command line is built: the simulated nodes, the SSH
+hosts, the sbatch script and the printed per-node and ssh lines all take it from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 from .config import check_int
 from .errors import ConfigError
@@ -44,6 +46,19 @@ class Topology:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    def command(
+        self, launcher: Sequence[str], node_rank: int | None, script: Any, run_dir: str, **options
+    ) -> list[str]:
+        """One node's whole command line: ``launcher`` (``["torchrun"]``, or an interpreter
+        running torchrun), torchrun's options (:meth:`torchrun_args` with ``options``), then
+        the script (a :class:`ddpnb.Script` in ``run_dir``) and its arguments.
+
+        >>> from ddpnb.script import Script
+        >>> Topology(1, 1, "127.0.0.1", 29500).command(["torchrun"], 0, Script("t.py"), "/r")[:2]
+        ['torchrun', '--nnodes=1']
+        """
+        return [*launcher, *self.torchrun_args(node_rank, **options), *script.command(run_dir)]
 
     def torchrun_args(
         self,
