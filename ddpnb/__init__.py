@@ -59,7 +59,7 @@ _LAZY = {
     "submit_slurm": "slurm",
     "check_script": "scriptcheck",
     "node_commands": "cluster",
-    "slurm_script": "cluster",
+    "slurm_script": "slurm",
 }
 
 
@@ -78,8 +78,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never runs
-    from .cluster import node_commands, slurm_script
+    from .cluster import node_commands
     from .plot import plot_curves, plot_scaling, plot_throughput
     from .remote import check_hosts, ssh_commands
     from .scriptcheck import check_script
-    from .slurm import attach, submit_slurm
+    from .slurm import attach, slurm_script, submit_slurm

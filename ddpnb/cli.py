@@ -755,7 +755,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "commands":
         return _commands(args)
     if args.command == "slurm":
-        from .cluster import slurm_script
+        from .slurm import slurm_script
 
         slurm_script(
             _run_config(args.run_dir),

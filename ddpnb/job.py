@@ -1,10 +1,10 @@
 """A launched run: followed to its end, stopped, diagnosed — whatever runs its nodes.
 
 :class:`Job` is what :func:`ddpnb.launch` and :func:`ddpnb.submit_slurm` return. What
-differs between simulated nodes, SSH hosts and a Slurm job is a small backend: how the
-nodes are asked how they are (``poll``), stopped, and how files move (``sync``,
-``fetch``); everything else — the panel, the stall watch, the diagnosis of a failure —
-is written once, here.
+differs between simulated nodes, SSH hosts and a Slurm job is one :class:`Backend` class
+each: how the nodes start, how they are asked how they are (``poll``), stopped, and how
+files move (``sync``, ``fetch``); everything else — the panel, the hang watch, the
+diagnosis of a failure — is written once, here.
 
 The lifeline ties every node's agent to this process: the agents hold the read end of
 a pipe whose write end only this process holds, so they stop their nodes when it ends,
@@ -21,7 +21,7 @@ import subprocess
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .agent import descendants
 from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
@@ -30,6 +30,9 @@ from .hang import Stacks, Verdict, read_ranks, stacks, verdict
 from .metrics import RunMetrics, load_metrics, read_progress
 from .progress import make_progress
 from .topology import Topology
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 AGENT = Path(__file__).with_name("agent.py")  # each node's torchrun; its source goes over ssh
 POLL_SECONDS = 0.2
@@ -41,7 +44,23 @@ TRACEBACK = "Traceback (most recent call last):"
 
 
 class Backend(Protocol):
-    """How a Job's nodes run: on this machine, on SSH hosts, or in a Slurm job."""
+    """One way a run's nodes run: simulated on this machine (``ddpnb.local.Local``), on SSH
+    hosts (``ddpnb.remote.Hosts``), or as a Slurm job (``ddpnb.slurm.Slurm``).
+
+    The pipeline (``ddpnb.pipeline.run``) calls ``check``, ``preflight`` and ``start``;
+    the Job it returns follows the nodes through the rest. A new backend is one class.
+    """
+
+    data_here: bool  # the worker's dataset must be on this machine
+
+    def check(self, plan: Plan) -> None:
+        """What can be checked before the run directory exists (a cluster's limits)."""
+
+    def preflight(self, plan: Plan) -> Topology:
+        """Check everything else the nodes need (hosts, ports, the network): the final topology."""
+
+    def start(self, plan: Plan) -> Job:
+        """Place the files, start every node; the Job that follows them (its backend: this)."""
 
     hosts: list[str] | None  # per node, as the user named them (None: this machine)
     watch_stalls: bool  # a silent run is a stalled one (not while a scheduler queues it)
@@ -137,8 +156,9 @@ def _stop_live_jobs() -> None:  # a kernel restart must not leave workers behind
 class Processes:
     """Nodes that are processes of this machine: torchrun agents, or ssh clients running them.
 
-    Local and SSH nodes differ only in the command that starts them; this class
-    watches and stops either kind.
+    The base of the simulated nodes' backend (``ddpnb.local.Local``) and the SSH hosts'
+    (``ddpnb.remote.Hosts``), which differ only in the command that starts a node; this
+    class watches and stops either kind.
     """
 
     hosts: list[str] | None = None
@@ -151,7 +171,7 @@ class Processes:
         self.lifeline: int | None = None  # write end of the pipe the agents watch
         self._known: set[int] = set()
 
-    def start(self, node: int, cmd: list[str], log: Path, shown: str, **popen: Any) -> None:
+    def spawn(self, node: int, cmd: list[str], log: Path, shown: str, **popen: Any) -> None:
         """Start node ``node``'s command, its output appended to ``log``, in its own group."""
         with open(log, "ab") as out:
             out.write(f"$ {shown}\n".encode())

@@ -1,77 +1,27 @@
-"""The launch pipeline: check, prepare the run directory, start the nodes, follow, diagnose.
+"""``launch`` and ``train_single``: a script or the worker, on simulated nodes or SSH hosts.
 
-Written once for every way a run's nodes start. A backend says how: simulated nodes on
-this machine (here), real hosts over SSH (``ddpnb.remote``), a Slurm job
-(``ddpnb.slurm``). The kernel never joins the process group: each node runs one
-``torchrun`` agent as a fresh process (no fork), from an explicit environment, and
-the Job follows the files the workers write.
+Picks the backend from the arguments (``hosts``: :class:`ddpnb.remote.Hosts`; else
+:class:`ddpnb.local.Local`), builds the :class:`~ddpnb.plan.Plan`, and hands both to the
+one pipeline (:func:`ddpnb.pipeline.run`). A Slurm job goes through the same pipeline from
+:func:`ddpnb.submit_slurm`.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from .agent import LIFELINE_ENV
 from .config import TrainConfig
-from .errors import ConfigError, LaunchError
-from .hang import WATCH_DIR, hooks_payload
-from .job import AGENT, Job, Processes, open_lifeline
-from .log import logger
+from .errors import ConfigError
+from .job import Backend, Job
+from .local import Local
+from .pipeline import run
 from .plan import FIRST_HOST, HANG_TIMEOUT, Plan
-from .preflight import (
-    check_launch,
-    check_run,
-    warn_if_cuda_initialised,
-)
-from .rundir import prepare_run_dir
-from .script import Script, worker_script
+from .script import Script
 from .topology import Topology
 
 __all__ = ["Job", "launch", "train_single"]
-
-
-class Starter(Protocol):
-    """What a backend does for the pipeline (``Local``, ``remote.Hosts``, ``slurm.Batch``)."""
-
-    data_here: bool  # the tutorial's dataset must be on this machine
-
-    def check(self, plan: Plan) -> None:
-        """What the backend can check before the run directory exists (the cluster's limits)."""
-
-    def preflight(self, plan: Plan) -> Topology:
-        """Check everything the backend needs (hosts, ports, the cluster); the final topology."""
-
-    def start(self, plan: Plan) -> Job:
-        """Place the files, start every node; the Job that follows them."""
-
-
-def run(plan: Plan, run_dir: str | os.PathLike, starter: Starter, *, wait: bool) -> Job:
-    """The pipeline every launch goes through; nothing starts before every check passed."""
-    plan.script.check()
-    if plan.config is not None:
-        plan.config = check_run(plan.config, plan.topology, here=starter.data_here)
-        plan.script = worker_script(plan.config)  # its config.json holds the checked paths
-    plan.payload = plan.script.payload()  # read once: the run directory's and the hosts' files
-    starter.check(plan)  # nothing written yet
-    plan.run_dir = prepare_run_dir(
-        run_dir, plan.payload, plan.config, resume=plan.resume, overwrite=plan.overwrite
-    ).resolve()
-    plan.topology = starter.preflight(plan)
-    warn_if_cuda_initialised()
-    plan.payload.update(hooks_payload())  # ddpnb's own files: replaced at every launch
-    shutil.rmtree(plan.run_dir / WATCH_DIR, ignore_errors=True)  # an earlier launch's stacks
-    for name, data in plan.payload.items():
-        (plan.run_dir / name).parent.mkdir(parents=True, exist_ok=True)
-        (plan.run_dir / name).write_bytes(data)
-    (plan.run_dir / "logs").mkdir(exist_ok=True)
-    job = starter.start(plan)
-    return job.wait() if wait else job
 
 
 def launch(
@@ -139,28 +89,25 @@ def launch(
             )
         if local_nodes is not None:
             raise ConfigError("local_nodes applies to simulated nodes; with hosts every host runs.")
-        starter: Starter = Hosts(
+        backend: Backend = Hosts(
             hosts, ssh_config, ssh_options, python, remote_run_dir, master_port
         )
-        nnodes = len(hosts)
+        # Node 0's address and port: the first host's, known once ssh names it and its
+        # preflight finds a free port there (Hosts.preflight); 1 stands for the port until then.
+        topology = Topology(
+            len(hosts), nproc_per_node, master_addr or FIRST_HOST, master_port or 1,
+            rdzv_timeout, max_restarts,
+        )  # fmt: skip
     else:
         if ssh_config is not None or ssh_options or python or remote_run_dir:
             raise ConfigError(
                 "ssh_config, ssh_options, python and remote_run_dir need hosts=[...]."
             )
-        nnodes = 2 if nnodes is None else nnodes
-    # The port is chosen by the backend's preflight; 1 is a placeholder until then.
-    topology = Topology(
-        nnodes,
-        nproc_per_node,
-        master_addr or ("127.0.0.1" if hosts is None else FIRST_HOST),
-        1,
-        rdzv_timeout,
-        max_restarts,
-    )
-    if hosts is None:
-        topology, nodes = check_launch(topology, master_port, local_nodes)
-        starter = Local(nodes)
+        backend = Local(
+            2 if nnodes is None else nnodes, nproc_per_node, master_addr or "127.0.0.1",
+            master_port, rdzv_timeout, max_restarts, local_nodes,
+        )  # fmt: skip
+        topology = backend.topology
     plan = Plan(
         what,
         topology,
@@ -171,73 +118,7 @@ def launch(
         hang_timeout=hang_timeout,
         on_hang=on_hang,
     )
-    return run(plan, run_dir, starter, wait=wait)
-
-
-class Local:
-    """Simulated nodes: every node's torchrun agent on this machine, the store on loopback."""
-
-    data_here = True
-
-    def __init__(self, nodes: list[int]) -> None:
-        self.nodes = nodes  # the node ranks started here (checked, with the port, by launch)
-
-    def check(self, plan: Plan) -> None:
-        pass  # launch() checked the nodes and the port
-
-    def preflight(self, plan: Plan) -> Topology:
-        return plan.topology
-
-    def start(self, plan: Plan) -> Job:
-        topology, run_dir = plan.topology, plan.run_dir
-        logger.info(
-            "launching %d node(s) x %d process(es); node 0 is the master and hosts the "
-            "rendezvous at %s:%d",
-            topology.nnodes,
-            topology.nproc_per_node,
-            topology.master_addr,
-            topology.master_port,
-        )
-        nodes = Processes()
-        # The run's lifetime is tied to this process: when it ends, however it ends, the
-        # pipe's write end closes and every agent stops its node (see agent.watch_lifeline).
-        lifeline_read, nodes.lifeline = open_lifeline()
-        env = {
-            **os.environ,
-            **plan.node_env(
-                str(run_dir),
-                len(self.nodes) * topology.nproc_per_node,
-                pythonpath=os.environ.get("PYTHONPATH"),
-            ),
-            LIFELINE_ENV: str(lifeline_read),
-        }
-        try:
-            for n in self.nodes:
-                cmd = topology.command(  # the agent: torchrun, its store bound to loopback
-                    [sys.executable, str(AGENT)],
-                    n,
-                    plan.script,
-                    str(run_dir),
-                    log_dir=str(run_dir / "logs" / f"node-{n}"),
-                )
-                nodes.start(
-                    n,
-                    cmd,
-                    run_dir / "logs" / f"node-{n}.log",
-                    shlex.join(cmd),
-                    cwd=run_dir,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    pass_fds=(lifeline_read,),
-                )
-        except BaseException as e:  # an OSError, or Ctrl-C/SIGTERM before the Job exists
-            nodes.kill_all()  # nothing to save yet; its workers see EOF too
-            if isinstance(e, OSError):
-                raise LaunchError(f"Could not start torchrun: {e}") from e
-            raise
-        finally:
-            os.close(lifeline_read)  # the agents hold it now
-        return Job(run_dir, plan.script, plan.config, topology, nodes, **plan.follow)
+    return run(plan, run_dir, backend, wait=wait)
 
 
 def train_single(

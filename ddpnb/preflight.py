@@ -6,16 +6,14 @@ problem and the fix.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import socket
 import sys
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .agent import loopback_bind_address
 from .config import TrainConfig, check_int
 from .data import require_valid_dataset
 from .errors import ConfigError, PortInUseError
@@ -28,26 +26,6 @@ def check_progress(progress: str) -> str:
     if progress not in PROGRESS_MODES:
         raise ConfigError("progress must be 'auto', 'widgets', 'text' or 'none'.")
     return progress
-
-
-def check_launch(
-    topology: Topology, master_port: int | None, local_nodes: Iterable[int] | None
-) -> tuple[Topology, list[int]]:
-    """Check simulated nodes; return the topology with its port, and the nodes started here.
-
-    A ``master_port`` of None becomes a free port; a given one must be free on node 0.
-    """
-    nnodes = topology.nnodes
-    nodes = sorted(set(range(nnodes) if local_nodes is None else local_nodes))
-    for n in nodes:
-        if not isinstance(n, int) or not 0 <= n < nnodes:
-            raise ConfigError(f"node_rank {n!r} must be in 0..{nnodes - 1} (node_rank < nnodes).")
-    bind_host = loopback_bind_address(topology.master_addr) or ""  # "": every interface
-    if master_port is None:
-        master_port = free_port(bind_host)
-    elif 0 in nodes:
-        check_port_free(bind_host, master_port)
-    return dataclasses.replace(topology, master_port=master_port), nodes
 
 
 def check_run(config: TrainConfig, topology: Topology, here: bool = True) -> TrainConfig:

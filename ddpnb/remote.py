@@ -81,12 +81,14 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
-class Hosts:
+class Hosts(Processes):
     """The SSH backend: one host per node, each running its torchrun agent over ``ssh``.
 
-    Starting differs from simulated nodes only in the command (``ssh ... python agent``)
-    and in the files: hosts that do not see this machine's run directory get the
-    script's files copied, and their results are brought back.
+    Its nodes are the ``ssh`` clients here (:class:`~ddpnb.job.Processes` watches and
+    stops them). Starting differs from simulated nodes only in the command (``ssh ...
+    python agent``) and in the files: hosts that do not see this machine's run directory
+    get the script's files copied, node 0's progress is copied here while it runs, and
+    every node's results are brought back; a lost connection is a NodeLost naming the host.
     """
 
     data_here = False
@@ -109,6 +111,9 @@ class Hosts:
             )
         self.remote_run_dir = remote_run_dir
         self.master_port = master_port
+        super().__init__()
+        self.hosts = [h.spec for h in self.parsed]
+        self._synced = self._stacks_synced = 0.0  # when progress and stacks were copied
 
     def check(self, plan) -> None:
         pass  # the hosts are asked in preflight, with the run directory's marker
@@ -168,8 +173,8 @@ class Hosts:
             topology.master_addr,
             topology.master_port,
         )
-        nodes = SshNodes(self, run_dir)
-        lifeline_read, nodes.lifeline = open_lifeline()
+        self.run_dir = run_dir
+        lifeline_read, self.lifeline = open_lifeline()
         try:
             for n, host in enumerate(self.parsed):
                 env = plan.node_env(self.dirs[n], topology.nproc_per_node, self.cpus[n])
@@ -178,28 +183,16 @@ class Hosts:
                     self.ssh, host, self.python, self.dirs[n], topology, n, env, plan.script
                 )
                 # ssh forwards its input's EOF: the host's agent then stops its node.
-                nodes.start(n, cmd, run_dir / "logs" / f"node-{n}.log", shown,
-                            stdin=lifeline_read, env=dict(os.environ))  # fmt: skip
+                self.spawn(n, cmd, run_dir / "logs" / f"node-{n}.log", shown,
+                           stdin=lifeline_read, env=dict(os.environ))  # fmt: skip
         except BaseException as e:
-            nodes.kill_all()  # each host's agent sees its session end, and stops
+            self.kill_all()  # each host's agent sees its session end, and stops
             if isinstance(e, OSError):
                 raise LaunchError(f"Could not start ssh: {e}") from e
             raise
         finally:
             os.close(lifeline_read)
-        return Job(run_dir, plan.script, plan.config, topology, nodes, **plan.follow)
-
-
-class SshNodes(Processes):
-    """The running nodes of SSH hosts: ssh clients here, files brought here, failures named."""
-
-    def __init__(self, hosts: Hosts, run_dir: Path) -> None:
-        super().__init__()
-        self._hosts, self.ssh, self.python = hosts.parsed, hosts.ssh, hosts.python
-        self.dirs, self.shared, self.run_dir = hosts.dirs, hosts.shared, run_dir
-        self.hosts = [h.spec for h in hosts.parsed]
-        self._synced = 0.0
-        self._stacks_synced = 0.0
+        return Job(run_dir, plan.script, plan.config, topology, self, **plan.follow)
 
     def sync_stacks(self, force: bool) -> None:
         """Copy the ranks' stack snapshots here from hosts without the shared folder.
@@ -214,7 +207,7 @@ class SshNodes(Processes):
         def one(n: int) -> bool:
             names = [str(WATCH_DIR)]
             return pull(
-                self.ssh, self._hosts[n], self.python, self.dirs[n], names, self.run_dir, timeout=10
+                self.ssh, self.parsed[n], self.python, self.dirs[n], names, self.run_dir, timeout=10
             )
 
         with ThreadPoolExecutor(max_workers=len(todo)) as pool:
@@ -242,7 +235,7 @@ class SshNodes(Processes):
         self._synced = time.monotonic()
         pull(
             self.ssh,
-            self._hosts[0],
+            self.parsed[0],
             self.python,
             self.dirs[0],
             ["progress.json", "metrics.jsonl"],
@@ -256,7 +249,7 @@ class SshNodes(Processes):
         def one(n: int) -> None:
             names = ["."] if n == 0 else ["ranks", f"logs/node-{n}"]
             if not pull(
-                self.ssh, self._hosts[n], self.python, self.dirs[n], names, self.run_dir, timeout=60
+                self.ssh, self.parsed[n], self.python, self.dirs[n], names, self.run_dir, timeout=60
             ):
                 logger.warning(
                     "could not copy the results of node %d back from %s", n, self.hosts[n]
@@ -495,18 +488,18 @@ def ssh_commands(
     >>> ssh_commands(Script("train.py"), "/shared/run", ["gpu1", "gpu2"])[1]   # doctest: +SKIP
     "ssh -t -- gpu2 'cd /shared/run && torchrun --nnodes=2 --node_rank=1 ... /shared/run/train.py'"
     """
-    from .cluster import node_argvs
+    from .cluster import node_commands
 
     parsed = parse_hosts(hosts)
     ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
     addresses = [ssh.hostname(h) for h in parsed]
     launcher = [python, "-m", "torch.distributed.run"] if python else ["torchrun"]
-    argvs = node_argvs(what, run_dir, addresses, nproc_per_node, master_port, launcher=launcher)
+    lines = node_commands(what, run_dir, addresses, nproc_per_node, master_port, launcher=launcher)
     out = []
-    for n, (host, argv) in enumerate(zip(parsed, argvs)):
+    for n, (host, line) in enumerate(zip(parsed, lines)):
         env = network.env(n) if network is not None else {}
-        prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-        remote = f"cd {shlex.quote(str(run_dir))} && {shlex.join([*prefix, *argv])}"
+        prefix = shlex.join(["env", *(f"{k}={v}" for k, v in env.items())]) + " " if env else ""
+        remote = f"cd {shlex.quote(str(run_dir))} && {prefix}{line}"
         cmd = ["ssh", *(["-F", str(ssh.config)] if ssh.config else []), *ssh.options]
         cmd += [*(["-p", str(host.port)] if host.port else []), "-t", "--", host.destination]
         out.append(shlex.join([*cmd, remote]))

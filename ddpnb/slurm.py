@@ -18,6 +18,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .cluster import slurm_script
+from .cluster import FINGERPRINT_NOTE
 from .config import TrainConfig
 from .diagnosis import log_tail, resume_hint
 from .errors import (
@@ -41,13 +42,14 @@ from .errors import (
     SlurmRequestError,
 )
 from .job import Job
-from .launch import run
 from .log import logger
 from .metrics import read_progress
+from .pipeline import run
 from .plan import HANG_TIMEOUT, Plan
-from .preflight import check_progress
+from .preflight import as_config, check_progress
+from .reporting import RUN_DIR_ENV
 from .rundir import WORKER_NAME
-from .script import MESHCHECK_NAME, Script
+from .script import MESHCHECK_NAME, Script, worker_script
 from .topology import Topology
 
 POLL_SECONDS = 2.0  # between questions to slurmctld: a shared service, asked gently
@@ -267,27 +269,98 @@ def _timestamp(text: str) -> float | None:
         return None
 
 
-class SlurmNodes:
-    """The Slurm backend of a :class:`~ddpnb.Job`: the nodes of one batch job.
+class Slurm:
+    """The Slurm backend: a run as one batch job, submitted with ``sbatch`` and followed.
 
-    Slurm is asked how they are (``scontrol``, at most every POLL_SECONDS), ``stop()``
-    is ``scancel`` until Slurm reports the end. The run directory is shared, so no file
-    moves. What only a scheduler has, ``job_id``, ``state`` and ``batch_log()``, the Job
-    shows as its own.
+    ``check`` holds the request against the cluster (partition, nodes, GPUs), ``start``
+    writes the batch script and submits it; from then on (or after :meth:`follow`, for a
+    job submitted earlier) Slurm is asked how the job is (``scontrol``, at most every
+    POLL_SECONDS) and ``stop()`` is ``scancel`` until Slurm reports the end. The run
+    directory is shared, so no file moves. ``options``: sbatch's (``partition``, ``time``,
+    ``account``, ``gpus_per_node``, ``sbatch_args``) and the nodes' ``python``.
     """
 
+    data_here = True  # the run directory (and the data) are on the shared filesystem
     hosts = None
     watch_stalls = False  # a queued job is silent for as long as Slurm makes it wait
     outlives_launcher = True  # a batch job belongs to the cluster, not to this process
     procs: dict = {}
 
-    def __init__(self, run_dir: Path, job_id: str, nnodes: int, env: Mapping[str, str]) -> None:
-        self.run_dir, self.job_id, self.nnodes = Path(run_dir), str(job_id), nnodes
-        self.env = dict(env)
+    def __init__(self, env: Mapping[str, str], **options: Any) -> None:
+        self.env, self.options = dict(env), options
+        self.run_dir, self.job_id, self.nnodes = Path(), "", 0  # the job's, once submitted
         self.master_addr: str | None = None  # the allocation's first node, once it runs
         self._state: dict[str, str] = {}
         self._asked = 0.0
         self.cancelled_here = False
+
+    def follow(self, run_dir: Path, job_id: str, nnodes: int) -> Slurm:
+        """Follow the job ``job_id`` (submitted here, or earlier: :func:`attach`)."""
+        self.run_dir, self.job_id, self.nnodes = Path(run_dir), str(job_id), nnodes
+        return self
+
+    def check(self, plan) -> None:
+        o = self.options
+        o["partition"] = check_slurm_request(
+            plan.topology.nnodes, o["partition"], o["gpus_per_node"], self.env
+        )
+
+    def preflight(self, plan) -> Topology:
+        _refuse_live_job(plan.run_dir, self.env)
+        return plan.topology
+
+    def start(self, plan) -> Job:
+        o, run_dir, topology = self.options, plan.run_dir, plan.topology
+        token = secrets.token_hex(16)
+        (run_dir / MARKER_NAME).write_text(token + "\n")
+        (run_dir / MESHCHECK_NAME).write_bytes(MESHCHECK_PATH.read_bytes())
+        slurm_script(
+            plan.script,
+            run_dir,
+            topology.nnodes,
+            topology.nproc_per_node,
+            master_port=None,
+            time_limit=o["time"],
+            gpus_per_node=o["gpus_per_node"] or 0,
+            path=run_dir / SCRIPT_NAME,
+            partition=o["partition"],
+            account=o["account"],
+            python=o["python"],
+            max_restarts=topology.max_restarts,
+            rdzv_timeout=topology.rdzv_timeout,
+            marker=token,
+            network_check=True,
+            batch_log=None,  # on sbatch's command line: the run directory may hold spaces
+            env=plan.user_env(str(run_dir), os.environ.get("PYTHONPATH")),
+        )
+        output = f"--output={run_dir / 'logs' / 'slurm-%j.out'}"
+        argv = ["sbatch", "--parsable", output, *o["sbatch_args"], str(run_dir / SCRIPT_NAME)]
+        submitted_at = _time_now()
+        job_id = _submit(argv, run_dir, self.env).strip().split(";")[0]
+        logger.info(
+            "submitted Slurm job %s: %d node(s) x %d process(es)",
+            job_id,
+            topology.nnodes,
+            topology.nproc_per_node,
+        )
+        record = {
+            "job_id": job_id,
+            "nnodes": topology.nnodes,
+            "nproc_per_node": topology.nproc_per_node,
+            "partition": o["partition"],
+            "submitted_at": submitted_at,
+            "slurm_conf": self.env.get("SLURM_CONF"),
+            "sbatch": argv,
+            "script": plan.script.name,
+            "args": list(plan.script.args),
+            "hang_timeout": plan.hang_timeout,
+            "on_hang": plan.on_hang,
+            "rdzv_timeout": topology.rdzv_timeout,
+            "max_restarts": topology.max_restarts,
+        }
+        (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        self.follow(run_dir, job_id, topology.nnodes)
+        return _job(self, plan.script, plan.config, record, plan.follow)
 
     def slurm_state(self, fresh: bool = False) -> dict[str, str]:
         """Slurm's fields for the job (``JobState``, ``Reason``, ...), asked at most every
@@ -438,6 +511,188 @@ def _read_tail(path: Path, lines: int) -> str:
         return ""
 
 
+# -- the batch script ------------------------------------------------------------------
+
+
+def _batch_word(word: str) -> str:
+    """A word of the batch script: quoted, but the job's own variables expand."""
+    if re.search(r"\$(head_node|master_port|SLURM_\w+)", word):
+        return '"' + word + '"'
+    return shlex.quote(word)
+
+
+def _sbatch_header(
+    nnodes: int,
+    job_name: str,
+    time_limit: str,
+    batch_log: str | None,
+    partition: str | None,
+    account: str | None,
+    gpus_per_node: int,
+) -> str:
+    """The batch script's ``#SBATCH`` lines: one task (one torchrun) per node."""
+    options = [
+        f"--job-name={job_name}",
+        f"--nodes={nnodes}",
+        "--ntasks-per-node=1",
+        f"--time={time_limit}",
+        "--open-mode=append",  # a requeued job adds to its logs
+    ]
+    # The batch script's own output, which Slurm opens first (None: given to sbatch itself,
+    # as a #SBATCH line cannot hold a path with spaces).
+    options += [f"--output={batch_log}"] if batch_log else []
+    options += [f"--partition={partition}"] if partition else []
+    options += [f"--account={account}"] if account else []
+    options += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    return "\n".join(f"#SBATCH {o}" for o in options)
+
+
+def _marker_step(marker_path: Path, marker: str) -> str:
+    """The batch script's check that every node sees the submit host's marker (exit 97)."""
+    q = shlex.quote
+    return f"""
+# The run directory must be on a filesystem every node shares: each node checks that it
+# sees the marker the submit host wrote there, else the job ends at once (exit 97).
+srun --ntasks-per-node=1 bash -c 'grep -qx "$1" "$0" 2>/dev/null || {{ echo "ddpnb: node \
+$SLURMD_NODENAME cannot see $0, the marker written at submission: the run directory must \
+be on a filesystem shared by the submit host and every node." >&2; exit 97; }}' \\
+    {q(str(marker_path))} {q(marker)}
+"""
+
+
+def _network_step(python: str | None, port: str) -> str:
+    """The batch script's first step: ddpnb_meshcheck.py on every node (exit 96 on problems)."""
+    q = shlex.quote
+    checker = q(python or "python3")
+    return f"""# The network, proven before training: every node reaches the first node's port and
+# every peer, on its interface toward the first node (written to logs/net-env-N.sh for
+# torchrun below). A node that cannot stops the job at once (exit 96), named in this log.
+srun --ntasks-per-node=1 bash -c '"$@" --node-rank "$SLURM_NODEID" \\
+    --env-file "$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh" || exit 96' bash \\
+    {checker} "$DDPNB_RUN_DIR/ddpnb_meshcheck.py" --nnodes "$SLURM_NNODES" \\
+    --master-addr "$head_node" --master-port "{port}" --timeout 20 --backend gloo
+
+"""
+
+
+def _srun_torchrun(run_dir: Path, rdzv_timeout: int, launcher: str, torchrun: str) -> str:
+    """The batch script's last step: one torchrun per node (srun), each naming its address."""
+    q = shlex.quote
+    return f"""export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
+export SLURM_STDOUTMODE={q(str(run_dir / "logs" / "node-%n.log"))}
+# After a torchrun restart the agents meet in a new rendezvous round. Each round's workers
+# get a store of their own (hosted by rank 0) rather than the agents' shared one, whose
+# keys outlive the round: under c10d each agent counts only its own restarts, so a
+# per-attempt key prefix could differ between nodes and they would never meet.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# Each node names its own address (Slurm's NodeAddr) and the first node says it hosts the
+# store (torchrun reads PET_<OPTION> as that option): torchrun would otherwise go by the
+# host name, which on clusters with a separate training network resolves to the other one.
+srun bash -c 'addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")
+export PET_LOCAL_ADDR="${{addr:-$SLURMD_NODENAME}}"
+export PET_RDZV_CONF="join_timeout={rdzv_timeout},is_host=$((SLURM_NODEID == 0))"
+export PET_LOG_DIR="$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"
+net="$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$net"; fi
+exec "$@"' bash {launcher} \\
+    {torchrun}
+"""
+
+
+def slurm_script(
+    what: Script | TrainConfig | Mapping[str, Any],
+    run_dir: str | os.PathLike,
+    nnodes: int = 2,
+    nproc_per_node: int = 1,
+    master_port: int | None = 29500,
+    job_name: str = "ddpnb",
+    time_limit: str = "01:00:00",
+    gpus_per_node: int = 0,
+    path: str | os.PathLike | None = None,
+    *,
+    partition: str | None = None,
+    account: str | None = None,
+    python: str | None = None,
+    max_restarts: int = 0,
+    rdzv_timeout: int = 300,
+    marker: str | None = None,
+    network_check: bool = False,
+    batch_log: str | None = "%x-%j.out",
+    env: Mapping[str, str] | None = None,
+) -> str:
+    """An sbatch script that runs the worker with one torchrun per node (c10d rendezvous).
+
+    Writes it to ``path`` when given. Submit with ``sbatch train.sbatch`` (or let
+    :func:`ddpnb.submit_slurm` do it). ``master_port=None`` derives the rendezvous
+    port from the job id, so two jobs sharing a first node do not collide. ``python``
+    runs torchrun as ``python -m torch.distributed.run`` (default: ``torchrun`` on
+    PATH). ``marker``: a token the run directory's ``.ddpnb-submit-marker`` must hold
+    on every node, else the job exits at once with code 97 (no shared filesystem).
+    Each node's output goes to ``run_dir/logs/node-N.log``, lines prefixed by rank;
+    the script's own to ``batch_log`` (in the submit directory unless absolute; its
+    folder must exist before the job starts). ``env`` is exported to every node.
+    ``network_check``: the job's first step runs ``ddpnb_meshcheck.py`` (which must be in
+    ``run_dir``) on every node: each reaches the first node's rendezvous port and every
+    peer, or the job stops at once (exit 96) with the problems named in the batch log;
+    each node's interface toward the first node becomes its ``GLOO_SOCKET_IFNAME`` (and
+    NCCL's) unless set.
+
+    Example
+    -------
+    >>> "torchrun" in slurm_script(TrainConfig(), "/shared/run", nnodes=4)
+    True
+    """
+    script = what if isinstance(what, Script) else worker_script(as_config(what))
+    # The head node's address is known only inside the allocation: a placeholder here.
+    topology = Topology(
+        nnodes, nproc_per_node, "$head_node", master_port or 1, rdzv_timeout, max_restarts
+    )
+    run_dir = Path(run_dir)
+    q = shlex.quote
+    header = _sbatch_header(
+        topology.nnodes, job_name, time_limit, batch_log, partition, account, gpus_per_node
+    )
+    launcher = f"{q(python)} -m torch.distributed.run" if python else "torchrun"
+    # None: a port from the job id, so two jobs whose first node is the same do not collide.
+    port = str(master_port) if master_port else "$master_port"
+    port_line = "" if master_port else "master_port=$((20000 + SLURM_JOB_ID % 20000))\n"
+    check = _marker_step(run_dir / MARKER_NAME, marker) if marker else ""
+    args = topology.command(
+        [],
+        None,
+        script,
+        str(run_dir),
+        log_dir="",
+        rendezvous="c10d",
+        rdzv_id="$SLURM_JOB_ID",
+        port=port,
+    )
+    torchrun = " \\\n    ".join(_batch_word(a) for a in args)
+    exports = "".join(f"export {k}={q(v)}\n" for k, v in (env or {}).items())
+    network = _network_step(python, port) if network_check else ""
+    text = f"""#!/bin/bash
+{header}
+
+# One torchrun agent per node (ntasks-per-node=1); each starts {topology.nproc_per_node} worker(s).
+# The first node of the allocation hosts the c10d rendezvous.
+{FINGERPRINT_NOTE}
+set -euo pipefail
+{check}
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# The address Slurm itself uses for that node (a node name need not resolve everywhere).
+head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+head_node=${{head_addr:-$head_node}}
+{port_line}mkdir -p {q(str(run_dir))}/logs
+export {RUN_DIR_ENV}={q(str(run_dir))} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
+{exports}
+# srun starts one task per node. Its options, set as its environment variables: stop
+# every node when one fails; each node's output to logs/node-N.log (N: the node's index
+# in the job), appended to after a requeue.
+{network}{_srun_torchrun(run_dir, topology.rdzv_timeout, launcher, torchrun)}"""
+    if path is not None:
+        Path(path).write_text(text)
+    return text
+
+
 # -- the public entry points --------------------------------------------------------------
 
 
@@ -489,7 +744,8 @@ def submit_slurm(
         isinstance(a, str) for a in sbatch_args
     ):
         raise ConfigError("sbatch_args must be a list of strings, e.g. ['--qos=short'].")
-    batch = Batch(
+    backend = Slurm(
+        _slurm_env({"PYTHONUNBUFFERED": "1", "DDPNB_LAUNCHED": "1"}),
         gpus_per_node=gpus_per_node,
         partition=partition,
         time=time,
@@ -509,82 +765,11 @@ def submit_slurm(
         hang_timeout=hang_timeout,
         on_hang=on_hang,
     )
-    return run(plan, Path(run_dir).resolve(), batch, wait=wait)
+    return run(plan, Path(run_dir).resolve(), backend, wait=wait)
 
 
-class Batch:
-    """The Slurm starter: checks the request against the cluster, writes and submits the script."""
-
-    data_here = True  # the run directory (and the data) are on the shared filesystem
-
-    def __init__(self, **options: Any) -> None:
-        self.options = options
-        self.env = _slurm_env({"PYTHONUNBUFFERED": "1", "DDPNB_LAUNCHED": "1"})
-
-    def check(self, plan) -> None:
-        o = self.options
-        o["partition"] = check_slurm_request(
-            plan.topology.nnodes, o["partition"], o["gpus_per_node"], self.env
-        )
-
-    def preflight(self, plan) -> Topology:
-        _refuse_live_job(plan.run_dir, self.env)
-        return plan.topology
-
-    def start(self, plan) -> Job:
-        o, run_dir, topology = self.options, plan.run_dir, plan.topology
-        token = secrets.token_hex(16)
-        (run_dir / MARKER_NAME).write_text(token + "\n")
-        (run_dir / MESHCHECK_NAME).write_bytes(MESHCHECK_PATH.read_bytes())
-        slurm_script(
-            plan.script,
-            run_dir,
-            topology.nnodes,
-            topology.nproc_per_node,
-            master_port=None,
-            time_limit=o["time"],
-            gpus_per_node=o["gpus_per_node"] or 0,
-            path=run_dir / SCRIPT_NAME,
-            partition=o["partition"],
-            account=o["account"],
-            python=o["python"],
-            max_restarts=topology.max_restarts,
-            rdzv_timeout=topology.rdzv_timeout,
-            marker=token,
-            network_check=True,
-            batch_log=None,  # on sbatch's command line: the run directory may hold spaces
-            env=plan.user_env(str(run_dir), os.environ.get("PYTHONPATH")),
-        )
-        output = f"--output={run_dir / 'logs' / 'slurm-%j.out'}"
-        argv = ["sbatch", "--parsable", output, *o["sbatch_args"], str(run_dir / SCRIPT_NAME)]
-        submitted_at = _time_now()
-        job_id = _submit(argv, run_dir, self.env).strip().split(";")[0]
-        logger.info(
-            "submitted Slurm job %s: %d node(s) x %d process(es)",
-            job_id,
-            topology.nnodes,
-            topology.nproc_per_node,
-        )
-        record = {
-            "job_id": job_id,
-            "nnodes": topology.nnodes,
-            "nproc_per_node": topology.nproc_per_node,
-            "partition": o["partition"],
-            "submitted_at": submitted_at,
-            "slurm_conf": self.env.get("SLURM_CONF"),
-            "sbatch": argv,
-            "script": plan.script.name,
-            "args": list(plan.script.args),
-            "hang_timeout": plan.hang_timeout,
-            "on_hang": plan.on_hang,
-            "rdzv_timeout": topology.rdzv_timeout,
-            "max_restarts": topology.max_restarts,
-        }
-        (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        return _job(run_dir, plan.script, plan.config, record, plan.follow, self.env)
-
-
-def _job(run_dir, script, config, record, follow, env) -> Job:
+def _job(backend: Slurm, script, config, record: dict, follow: dict) -> Job:
+    """The Job that follows ``backend``'s job, as ``record`` (``slurm_job.json``) describes it."""
     job_id = record["job_id"]
     topology = Topology(  # what the job was submitted with (older records: the defaults)
         record["nnodes"],
@@ -594,13 +779,12 @@ def _job(run_dir, script, config, record, follow, env) -> Job:
         record.get("rdzv_timeout", SLURM_RDZV_TIMEOUT),
         record.get("max_restarts", 0),
     )
-    nodes = SlurmNodes(run_dir, job_id, record["nnodes"], env)
     return Job(
-        run_dir,
+        backend.run_dir,
         script,
         config,
         topology,
-        nodes,
+        backend,
         **follow,
         started_at=record.get("submitted_at"),
     )
@@ -668,5 +852,6 @@ def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto"
         "hang_timeout": record.get("hang_timeout", HANG_TIMEOUT),
         "on_hang": record.get("on_hang", "stop"),
     }
-    job = _job(run_dir, script, config, record, follow, _slurm_env(extra))
+    backend = Slurm(_slurm_env(extra)).follow(run_dir, record["job_id"], record["nnodes"])
+    job = _job(backend, script, config, record, follow)
     return job.wait() if wait else job

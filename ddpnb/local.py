@@ -1,0 +1,113 @@
+"""Simulated nodes: every node's torchrun agent on this machine, the store on loopback.
+
+The backend of ``ddpnb.launch(...)`` without hosts. Its nodes are processes of this
+machine (:class:`~ddpnb.job.Processes` watches and stops them); what it adds is which
+nodes start here, node 0's port, and the command that starts each agent.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterable
+
+from .agent import LIFELINE_ENV, loopback_bind_address
+from .config import check_int
+from .errors import ConfigError, LaunchError
+from .job import AGENT, Job, Processes, open_lifeline
+from .log import logger
+from .plan import Plan
+from .preflight import check_port_free, free_port
+from .topology import Topology
+
+
+class Local(Processes):
+    """Simulated nodes: ``local_nodes`` (default all) of ``nnodes`` start here.
+
+    ``master_port`` None picks a free port; a given one must be free when node 0 runs
+    here. :attr:`topology` is the run's, final: built once, here.
+    """
+
+    data_here = True
+
+    def __init__(
+        self,
+        nnodes: int,
+        nproc_per_node: int,
+        master_addr: str,
+        master_port: int | None,
+        rdzv_timeout: int,
+        max_restarts: int,
+        local_nodes: Iterable[int] | None = None,
+    ) -> None:
+        super().__init__()
+        check_int("nnodes", nnodes)
+        self.nodes = sorted(set(range(nnodes) if local_nodes is None else local_nodes))
+        for n in self.nodes:
+            if not isinstance(n, int) or not 0 <= n < nnodes:
+                raise ConfigError(
+                    f"node_rank {n!r} must be in 0..{nnodes - 1} (node_rank < nnodes)."
+                )
+        bind_host = loopback_bind_address(master_addr) if isinstance(master_addr, str) else None
+        if master_port is None:
+            master_port = free_port(bind_host or "")  # "": every interface
+        elif 0 in self.nodes and isinstance(master_port, int):
+            check_port_free(bind_host or "", master_port)
+        self.topology = Topology(
+            nnodes, nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts
+        )
+
+    def check(self, plan: Plan) -> None:
+        pass  # the nodes and the port were checked when this backend was made
+
+    def preflight(self, plan: Plan) -> Topology:
+        return plan.topology
+
+    def start(self, plan: Plan) -> Job:
+        topology, run_dir = plan.topology, plan.run_dir
+        logger.info(
+            "launching %d node(s) x %d process(es); node 0 is the master and hosts the "
+            "rendezvous at %s:%d",
+            topology.nnodes,
+            topology.nproc_per_node,
+            topology.master_addr,
+            topology.master_port,
+        )
+        # The run's lifetime is tied to this process: when it ends, however it ends, the
+        # pipe's write end closes and every agent stops its node (see agent.watch_lifeline).
+        lifeline_read, self.lifeline = open_lifeline()
+        procs_here = len(self.nodes) * topology.nproc_per_node
+        env = {
+            **os.environ,
+            **plan.node_env(str(run_dir), procs_here, pythonpath=os.environ.get("PYTHONPATH")),
+            LIFELINE_ENV: str(lifeline_read),
+        }
+        try:
+            for n in self.nodes:
+                cmd = topology.command(  # the agent: torchrun, its store bound to loopback
+                    [sys.executable, str(AGENT)],
+                    n,
+                    plan.script,
+                    str(run_dir),
+                    log_dir=str(run_dir / "logs" / f"node-{n}"),
+                )
+                self.spawn(
+                    n,
+                    cmd,
+                    run_dir / "logs" / f"node-{n}.log",
+                    shlex.join(cmd),
+                    cwd=run_dir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(lifeline_read,),
+                )
+        except BaseException as e:  # an OSError, or Ctrl-C/SIGTERM before the Job exists
+            self.kill_all()  # nothing to save yet; its workers see EOF too
+            if isinstance(e, OSError):
+                raise LaunchError(f"Could not start torchrun: {e}") from e
+            raise
+        finally:
+            os.close(lifeline_read)  # the agents hold it now
+        return Job(run_dir, plan.script, plan.config, topology, self, **plan.follow)
