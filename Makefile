@@ -25,7 +25,7 @@ demo: setup
 	$(PY) -m ddpnb.demo --out runs/demo
 
 test: setup lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 lint: setup
 	$(PY) -m ruff check ddpnb tests notebooks bench
