@@ -74,6 +74,27 @@ def veth_pair():
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
+def run_per_namespace(commands, env: dict, logs: Path, timeout: float):
+    """Run ``(namespace, [VAR=value..., program, args...])`` pairs at once, each in its own
+    process group, to the end: (their exit codes, the tail of each one's log)."""
+    procs = []
+    try:
+        for ns, argv in commands:
+            log = open(logs / f"{ns}.log", "wb")  # noqa: SIM115 (closed below)
+            procs.append((log, subprocess.Popen(
+                ["ip", "netns", "exec", ns, "env", *argv],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )))  # fmt: skip
+        codes = [p.wait(timeout=timeout) for _, p in procs]
+    finally:
+        for log, p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            log.close()
+    return codes, {ns: (logs / f"{ns}.log").read_text()[-1500:] for ns, _ in commands}
+
+
 def test_two_nodes_over_a_veth_link_then_the_link_is_cut(veth_pair, tiny_data, tmp_path):
     (ns_a, ns_b), (dev_a, dev_b), (addr_a, _) = veth_pair
     run = tmp_path / "run"
@@ -143,25 +164,14 @@ def test_printed_c10d_lines_train_on_a_second_network(veth_pair, tiny_data, tmp_
     cfg = tiny_config(tiny_data, threads=1)
     ddpnb.write_worker(cfg, run)
     lines = ddpnb.node_commands(cfg, run, hosts=list(addrs), master_port=29618, rendezvous="c10d")
-    procs = []
-    try:
-        for ns, dev, line in zip((ns_a, ns_b), (dev_a, dev_b), lines):
-            argv = shlex.split(line)  # exactly as printed, run as a user pastes it
-            assert argv[0] == "torchrun"
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "OMP_NUM_THREADS": "1"}
-            log = open(tmp_path / f"{ns}.log", "wb")  # noqa: SIM115 (closed below)
-            procs.append((log, subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", *argv[1:]],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )))  # fmt: skip
-        codes = [p.wait(timeout=120) for _, p in procs]
-    finally:
-        for log, p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            log.close()
-    logs = {ns: (tmp_path / f"{ns}.log").read_text()[-1500:] for ns in (ns_a, ns_b)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    commands = []
+    for ns, dev, line in zip((ns_a, ns_b), (dev_a, dev_b), lines):
+        argv = shlex.split(line)  # exactly as printed, run as a user pastes it
+        assert argv[0] == "torchrun"
+        commands.append((ns, [f"GLOO_SOCKET_IFNAME={dev}", sys.executable, "-m",
+                              "torch.distributed.run", *argv[1:]]))  # fmt: skip
+    codes, logs = run_per_namespace(commands, env, tmp_path, timeout=120)
     assert codes == [0, 0], logs
     final = ddpnb.load_metrics(run).final
     assert final["world_size"] == 2 and final["epoch"] == cfg.epochs
@@ -208,30 +218,12 @@ def test_the_instructors_two_laptop_steps(veth_pair, tmp_path):
     assert "fingerprint: sha256:" in printed["check"]  # what the two participants compare
     torchruns = [ln for ln in printed["commands"].splitlines() if ln.startswith("torchrun ")]
     assert len(torchruns) == 2 and all(f"--local_addr={a}" in t for a, t in zip(addrs, torchruns))
-    procs, started = [], time.monotonic()
-    try:
-        for ns, dev, line in zip((ns_a, ns_b), devs, torchruns):  # each laptop its own line
-            log = open(tmp_path / f"{ns}.log", "wb")  # noqa: SIM115 (closed below)
-            argv = [
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "env",
-                f"GLOO_SOCKET_IFNAME={dev}",
-                *shlex.split(line),
-            ]
-            procs.append((log, subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )))  # fmt: skip
-        codes = [p.wait(timeout=300) for _, p in procs]
-    finally:
-        for log, p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            log.close()
-    logs = {ns: (tmp_path / f"{ns}.log").read_text()[-1500:] for ns in (ns_a, ns_b)}
+    started = time.monotonic()
+    commands = [  # each laptop its own line, naming its own interface
+        (ns, [f"GLOO_SOCKET_IFNAME={dev}", *shlex.split(line)])
+        for ns, dev, line in zip((ns_a, ns_b), devs, torchruns)
+    ]
+    codes, logs = run_per_namespace(commands, env, tmp_path, timeout=300)
     assert codes == [0, 0], logs
     run = ddpnb.load_metrics(room / "run")
     assert [e["epoch"] for e in run.epochs] == [1, 2] and run.final["world_size"] == 2
