@@ -219,11 +219,11 @@ def test_the_instructors_two_laptop_steps(veth_pair, tmp_path):
     torchruns = [ln for ln in printed["commands"].splitlines() if ln.startswith("torchrun ")]
     assert len(torchruns) == 2 and all(f"--local_addr={a}" in t for a, t in zip(addrs, torchruns))
     started = time.monotonic()
-    commands = [  # each laptop its own line, naming its own interface
+    laptops = [  # each laptop its own line, naming its own interface
         (ns, [f"GLOO_SOCKET_IFNAME={dev}", *shlex.split(line)])
         for ns, dev, line in zip((ns_a, ns_b), devs, torchruns)
     ]
-    codes, logs = run_per_namespace(commands, env, tmp_path, timeout=300)
+    codes, logs = run_per_namespace(laptops, env, tmp_path, timeout=300)
     assert codes == [0, 0], logs
     run = ddpnb.load_metrics(room / "run")
     assert [e["epoch"] for e in run.epochs] == [1, 2] and run.final["world_size"] == 2
