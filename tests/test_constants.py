@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -36,11 +37,20 @@ def test_import_ddpnb_does_not_import_torch_or_matplotlib():
 def test_public_names_are_all_lazy_or_eager():
     import ddpnb
 
-    # Plain imports (stdlib-only modules); only the plots, which need matplotlib, are lazy.
-    assert set(ddpnb._LAZY) == {"plot_curves", "plot_scaling", "plot_throughput"}
+    # Lazy: the plots (matplotlib), the SSH and Slurm backends and the check; the rest plain.
+    assert set(ddpnb._LAZY.values()) == {"plot", "remote", "slurm", "scriptcheck", "cluster"}
     eager = set(ddpnb.__all__) - set(ddpnb._LAZY)
     assert all(name in vars(ddpnb) for name in eager)
+    assert all(callable(getattr(ddpnb, name)) for name in ddpnb.__all__)
     assert ddpnb.__all__ == sorted(ddpnb.__all__)
+
+
+def test_import_ddpnb_loads_no_backend_but_the_simulated_nodes():
+    code = "import sys, ddpnb; print(sorted(m for m in sys.modules if m.startswith('ddpnb.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(ast.literal_eval(out.stdout))
+    assert {"ddpnb.launch", "ddpnb.local", "ddpnb.pipeline"} <= loaded
+    assert not loaded & {"ddpnb.remote", "ddpnb.ssh", "ddpnb.network", "ddpnb.slurm"}, loaded
 
 
 def test_the_launch_function_survives_importing_its_module():
