@@ -14,7 +14,7 @@ from .config import TrainConfig
 from .data import inspect_dataset, prepare_digits
 from .errors import DdpnbError, WorkerFailed
 from .job import Job
-from .launch import launch, train_single
+from .launch import launch, train_single  # noqa: F401 (train_single: deprecated, launch(nnodes=1))
 from .metrics import load_metrics
 from .rundir import write_worker
 from .script import Script
@@ -41,7 +41,6 @@ __all__ = [
     "ssh_commands",
     "submit_slurm",
     "sweep",
-    "train_single",
     "write_worker",
 ]
 

@@ -1,29 +1,21 @@
 """A launched run: followed to its end, stopped, diagnosed — whatever runs its nodes.
 
 :class:`Job` is what :func:`ddpnb.launch` and :func:`ddpnb.submit_slurm` return. What
-differs between simulated nodes, SSH hosts and a Slurm job is one :class:`Backend` class
-each: how the nodes start, how they are asked how they are (``poll``), stopped, and how
-files move (``sync``, ``fetch``); everything else — the panel, the hang watch, the
-diagnosis of a failure — is written once, here.
-
-The lifeline ties every node's agent to this process: the agents hold the read end of
-a pipe whose write end only this process holds, so they stop their nodes when it ends,
-however it ends (a Slurm job belongs to the cluster instead, and has none).
+differs between simulated nodes, SSH hosts and a Slurm job is one :class:`Scheduler`
+class each (TorchX's word); the panel, the hang watch and the diagnosis are written once,
+here.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
+import dataclasses
 import re
-import signal
-import subprocess
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from .agent import descendants
 from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
 from .errors import RunFailed, RunHung, RunInterrupted
 from .hang import Stacks, Verdict, read_ranks, stacks, verdict
@@ -32,58 +24,67 @@ from .progress import make_progress
 from .topology import Topology
 
 if TYPE_CHECKING:
+    import subprocess
+
     from .plan import Plan
 
-AGENT = Path(__file__).with_name("agent.py")  # each node's torchrun; its source goes over ssh
 POLL_SECONDS = 0.2
 WATCH_SECONDS = 1.0  # how often the hang watch reads the ranks' snapshots
 HANG_DEFAULT = 60.0  # the quiet time a verdict needs when the watch has no limit of its own
-STOP_GRACE_SECONDS = 4.0
 WORKER_LINE = re.compile(rb"^\[rank\d+\]", re.M)  # torchrun's prefix on a worker's output
 TRACEBACK = "Traceback (most recent call last):"
 
 
-class Backend(Protocol):
-    """One way a run's nodes run: simulated on this machine (``ddpnb.local.Local``), on SSH
-    hosts (``ddpnb.remote.Hosts``), or as a Slurm job (``ddpnb.slurm.Slurm``).
+class Scheduler:
+    """Where a run's nodes run: simulated here (``ddpnb.local.Local``), on SSH hosts
+    (``ddpnb.remote.Hosts``), or as a Slurm job (``ddpnb.slurm.Slurm``).
 
-    The pipeline (``ddpnb.pipeline.run``) calls ``check``, ``preflight`` and ``start``;
-    the Job it returns follows the nodes through the rest. A new backend is one class.
+    ``ddpnb.pipeline.run`` calls ``check``, ``preflight`` and ``start``; the Job follows
+    the nodes through the rest. A new scheduler (Kubernetes, ...) is one subclass.
     """
 
-    data_here: bool  # the worker's dataset must be on this machine
+    nnodes: int
+    nproc_per_node: int
+    data_here = True  # the worker's dataset must be on this machine
+    hosts: list[str] | None = None  # per node, as the user named them (None: this machine)
+    watch_stalls = True  # a silent run is a stalled one (not while a cluster queues it)
+    outlives_launcher = False  # the run belongs to a cluster, not to this process
+    procs: dict[int, subprocess.Popen] = {}  # this machine's process of each node
+    job_id: str | None = None  # the cluster's id of the run (Slurm's job id)
+    master_addr: str | None = None  # node 0's address, when a cluster names it
+    master_port: int | None = None  # the rendezvous port, when a cluster names it
+    state: str | None = None  # the cluster's state of the run ("RUNNING", ...)
 
     def check(self, plan: Plan) -> None:
         """What can be checked before the run directory exists (a cluster's limits)."""
 
-    def preflight(self, plan: Plan) -> Topology:
-        """Check everything else the nodes need (hosts, ports, the network): the final topology."""
+    def preflight(self, plan: Plan, run_dir: Path) -> Topology:
+        """Check what the nodes need (hosts, ports, the network); the run's final topology."""
+        raise NotImplementedError
 
-    def start(self, plan: Plan) -> Job:
-        """Place the files, start every node; the Job that follows them (its backend: this)."""
-
-    hosts: list[str] | None  # per node, as the user named them (None: this machine)
-    watch_stalls: bool  # a silent run is a stalled one (not while a scheduler queues it)
-    outlives_launcher: bool  # the run belongs to a scheduler, not to this process
-    procs: dict[int, subprocess.Popen]  # this machine's process of each node ({}: none)
-    job_id: str | None  # the scheduler's id of the run (Slurm's job id), else None
-    master_addr: str | None  # node 0's address once a scheduler names it, else None
-    state: str | None  # the scheduler's state of the run ("RUNNING", ...), else None
-
-    def batch_log(self) -> Path | None:
-        """The scheduler's own log of the run (sbatch's output), or None."""
+    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:
+        """Place the files and start every node."""
+        raise NotImplementedError
 
     def poll(self) -> dict[int, int | None]:
         """Each node's exit code, None while it runs (or waits to)."""
-
-    def pending(self) -> str | None:
-        """Why the nodes have not started (a scheduler's queue), or None."""
-
-    def since(self) -> float | None:
-        """When the nodes of this attempt started (None: when the Job was created)."""
+        raise NotImplementedError
 
     def stop(self) -> None:
         """End every process of the run, wherever it runs; return once they are gone."""
+        raise NotImplementedError
+
+    def batch_log(self) -> Path | None:
+        """The cluster's own log of the run (sbatch's output), or None."""
+        return None
+
+    def pending(self) -> str | None:
+        """Why the nodes have not started (a queue), or None."""
+        return None
+
+    def since(self) -> float | None:
+        """When the nodes of this attempt started (None: when the Job was created)."""
+        return None
 
     def sync(self) -> None:
         """Bring node 0's progress files here while the run goes on (if not shared)."""
@@ -95,163 +96,22 @@ class Backend(Protocol):
         """Bring every node's results and logs here once the run has ended."""
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
-        """The diagnosed error with what only the backend knows (host, scheduler state)."""
+        """The diagnosed error with what only the scheduler knows (host, cluster state)."""
+        return error
 
     def pids(self) -> list[int]:
         """Processes of the run on this machine that are still alive."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
+        return []
 
 
 _live_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
-_lifelines: set[int] = set()  # write ends held by this process, one per running job
-_fork_hook_registered = False
-
-
-def open_lifeline() -> tuple[int, int]:
-    """A pipe (read, write): the agents get the read end, only this process the write end.
-
-    Both ends are non-inheritable, so no other child of this process holds the write
-    end; a forked child closes its copies, so it cannot keep a run alive either.
-    """
-    global _fork_hook_registered
-    if not _fork_hook_registered:
-        os.register_at_fork(after_in_child=_close_lifelines_in_child)
-        _fork_hook_registered = True
-    read_fd, write_fd = os.pipe()
-    _lifelines.add(write_fd)
-    return read_fd, write_fd
-
-
-def close_lifeline(fd: int) -> None:
-    _lifelines.discard(fd)
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
-def _close_lifelines_in_child() -> None:
-    for fd in list(_lifelines):
-        close_lifeline(fd)
 
 
 @atexit.register
 def _stop_live_jobs() -> None:  # a kernel restart must not leave workers behind
     for job in list(_live_jobs):
-        if not job.backend.outlives_launcher:  # a Slurm job does
+        if not job.scheduler.outlives_launcher:  # a Slurm job does
             job.stop()
-
-
-class Processes:
-    """Nodes that are processes of this machine: torchrun agents, or ssh clients running them.
-
-    The base of the simulated nodes' backend (``ddpnb.local.Local``) and the SSH hosts'
-    (``ddpnb.remote.Hosts``), which differ only in the command that starts a node; this
-    class watches and stops either kind.
-    """
-
-    hosts: list[str] | None = None
-    watch_stalls = True
-    outlives_launcher = False
-    job_id = master_addr = state = None  # no scheduler
-
-    def __init__(self) -> None:
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.lifeline: int | None = None  # write end of the pipe the agents watch
-        self._known: set[int] = set()
-
-    def spawn(self, node: int, cmd: list[str], log: Path, shown: str, **popen: Any) -> None:
-        """Start node ``node``'s command, its output appended to ``log``, in its own group."""
-        with open(log, "ab") as out:
-            out.write(f"$ {shown}\n".encode())
-            out.flush()
-            self.procs[node] = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen
-            )
-
-    def poll(self) -> dict[int, int | None]:
-        self.pids()
-        return {n: p.poll() for n, p in self.procs.items()}
-
-    def pending(self) -> str | None:
-        return None
-
-    def since(self) -> float | None:
-        return None
-
-    def pids(self) -> list[int]:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                self._known.add(proc.pid)
-                self._known.update(descendants(proc.pid))
-        return sorted(p for p in self._known if _alive(p))
-
-    def cut_lifeline(self) -> None:
-        if self.lifeline is not None:
-            close_lifeline(self.lifeline)
-            self.lifeline = None
-
-    def kill_all(self) -> None:
-        """Processes started before a Job existed (a failed start): no grace."""
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        self.cut_lifeline()
-
-    def stop(self) -> None:
-        """SIGTERM every agent's group, SIGKILL what is left after a short grace."""
-        self.pids()
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)  # the agent forwards it to its workers
-                except OSError:
-                    pass
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        while time.monotonic() < deadline and any(_alive(p) for p in self._known):
-            for proc in self.procs.values():
-                proc.poll()  # reap agents so they stop counting as alive
-            time.sleep(0.05)
-        for pid in self._known:
-            if _alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        self.cut_lifeline()
-
-    def sync(self) -> None:
-        pass
-
-    def sync_stacks(self, force: bool) -> None:
-        pass
-
-    def fetch(self) -> None:
-        pass
-
-    def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
-        return error
-
-    def batch_log(self) -> Path | None:
-        return None
 
 
 class Job:
@@ -268,7 +128,7 @@ class Job:
         script: Any,
         config: Any,
         topology: Topology,
-        backend: Backend,
+        scheduler: Scheduler,
         *,
         progress: str = "none",
         hang_timeout: float | None = None,
@@ -279,7 +139,7 @@ class Job:
         self.script = script  # the ddpnb.Script that runs
         self.config = config  # its TrainConfig when it is ddpnb's worker, else None
         self.topology = topology
-        self.backend = backend
+        self.scheduler = scheduler
         self.log_paths = {
             n: self.run_dir / "logs" / f"node-{n}.log" for n in range(topology.nnodes)
         }
@@ -301,20 +161,20 @@ class Job:
     nnodes = property(lambda self: self.topology.nnodes)
     nproc_per_node = property(lambda self: self.topology.nproc_per_node)
     world_size = property(lambda self: self.topology.world_size)
-    # A Slurm job's first node is known once it runs.
-    master_addr = property(lambda self: self.backend.master_addr or self.topology.master_addr)
-    master_port = property(lambda self: self.topology.master_port)
+    # A Slurm job's first node and port are the cluster's, named once it runs.
+    master_addr = property(lambda self: self.topology.master_addr or self.scheduler.master_addr)
+    master_port = property(lambda self: self.topology.master_port or self.scheduler.master_port)
     rdzv_timeout = property(lambda self: self.topology.rdzv_timeout)
     max_restarts = property(lambda self: self.topology.max_restarts)
-    hosts = property(lambda self: self.backend.hosts)
-    procs = property(lambda self: self.backend.procs)
+    hosts = property(lambda self: self.scheduler.hosts)
+    procs = property(lambda self: self.scheduler.procs)
     # A scheduler's (Slurm): the job's id, its state ("PENDING", "RUNNING", ...); else None.
-    job_id = property(lambda self: self.backend.job_id)
-    state = property(lambda self: self.backend.state)
+    job_id = property(lambda self: self.scheduler.job_id)
+    state = property(lambda self: self.scheduler.state)
 
     def batch_log(self) -> Path | None:
         """A Slurm job's batch script output (``logs/slurm-<job id>.out``); else None."""
-        return self.backend.batch_log()
+        return self.scheduler.batch_log()
 
     # -- state -------------------------------------------------------------------
 
@@ -332,7 +192,7 @@ class Job:
 
     @property
     def returncodes(self) -> dict[int, int | None]:
-        return self.backend.poll()
+        return self.scheduler.poll()
 
     @property
     def running(self) -> bool:
@@ -340,10 +200,10 @@ class Job:
 
     def node_status(self) -> dict[int, str]:
         """``pending``, ``starting``, ``running``, ``done``, ``failed`` or ``stopped`` per node."""
-        waiting = self.backend.pending()
+        waiting = self.scheduler.pending()
         if waiting:
             return dict.fromkeys(range(self.nnodes), waiting)
-        since = self.backend.since() or self.started_at
+        since = self.scheduler.since() or self.started_at
         joined = read_progress(self.run_dir).get("time", 0) >= since - 1
         codes = self.returncodes
         out = {}
@@ -389,7 +249,7 @@ class Job:
 
     def pids(self) -> list[int]:
         """PIDs of this run's processes on this machine that are still alive."""
-        return self.backend.pids()
+        return self.scheduler.pids()
 
     def node_steps(self) -> dict[int, int]:
         """Optimizer steps per node so far (its first rank's), as the hang watch saw them."""
@@ -402,7 +262,7 @@ class Job:
         """Where every rank is now: the user's line and what it waits in, torch's frames folded.
 
         Read from the snapshots each worker writes every few seconds (``ddpnb.watch``), on
-        any backend. Raises :class:`~ddpnb.errors.RunDirError` when the run has ended or
+        any scheduler. Raises :class:`~ddpnb.errors.RunDirError` when the run has ended or
         the watch is off (``hang_timeout=None``), :class:`~ddpnb.errors.HostError` when a
         host cannot be reached.
 
@@ -411,15 +271,15 @@ class Job:
         >>> print(job.stacks())   # doctest: +SKIP
         rank 0 waits in barrier at train.py:21 (dist.barrier())  [node 0 on gpu1, pid 4242]
         """
-        self.backend.sync()
-        self.backend.sync_stacks(True)
+        self.scheduler.sync()
+        self.scheduler.sync_stacks(True)
         return stacks(self.run_dir, self.hang_timeout or HANG_DEFAULT)
 
     # -- control -------------------------------------------------------------------
 
     def stop(self) -> None:
         """Stop every process of the run, wherever it runs."""
-        self.backend.stop()
+        self.scheduler.stop()
         self._end()
 
     def _end(self) -> None:
@@ -427,7 +287,7 @@ class Job:
         _live_jobs.discard(self)
         if not self._ended:
             self._ended = True
-            self.backend.fetch()
+            self.scheduler.fetch()
 
     def wait(self, timeout: float | None = None) -> Job:
         """Follow the run to its end, showing progress; return self.
@@ -447,7 +307,7 @@ class Job:
                         "wait() again, or stop() it."
                     )
                 time.sleep(POLL_SECONDS)
-                self.backend.sync()
+                self.scheduler.sync()
                 display.update()
         except KeyboardInterrupt as e:
             self.error = e
@@ -473,9 +333,9 @@ class Job:
             return True
         if codes and all(rc == 0 for rc in codes.values()):
             return True
-        if self.backend.pending() is None:
+        if self.scheduler.pending() is None:
             self.error = self._watch_hang()
-        if self.error is None and self.backend.watch_stalls and self.backend.pending() is None:
+        if self.error is None and self.scheduler.watch_stalls and self.scheduler.pending() is None:
             self.error = self._check_stalled()
         return self.error is not None
 
@@ -487,7 +347,7 @@ class Job:
         if self.hang_timeout is None or now - self._watched < WATCH_SECONDS:
             return None
         self._watched = now
-        self.backend.sync_stacks(False)
+        self.scheduler.sync_stacks(False)
         ranks = self._ranks = read_ranks(self.run_dir, since=self.started_at)
         live = [r.still for r in ranks if r.state == "running"]
         if not live:
@@ -535,16 +395,21 @@ class Job:
             return None  # a script that does not report: torchrun's own timeouts apply
         timeout = self.config.timeout_seconds if self.config is not None else 300
         return check_stalled(
-            self.run_dir, self.topology, list(self.returncodes), self.started_at, timeout
+            self.run_dir, self._met(), list(self.returncodes), self.started_at, timeout
         )
 
     def _failure(self, failed: dict[int, int]) -> RunFailed:
         time.sleep(0.5)  # give the other agents a moment to write their error files
-        self.backend.fetch()  # error files and logs of hosts without a shared filesystem
+        self.scheduler.fetch()  # error files and logs of hosts without a shared filesystem
         error = diagnose_failure(
-            self.run_dir, self.topology, list(self.returncodes), failed, self.started_at
+            self.run_dir, self._met(), list(self.returncodes), failed, self.started_at
         )
-        return self.backend.explain(error, failed)
+        return self.scheduler.explain(error, failed)
+
+    def _met(self) -> Topology:
+        """The topology with where the nodes met, once a cluster named it (for a diagnosis)."""
+        met = {"master_addr": self.master_addr or "its first node", "master_port": self.master_port}
+        return dataclasses.replace(self.topology, **met)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "finished"

@@ -1,27 +1,26 @@
-"""``launch`` and ``train_single``: a script or the worker, on simulated nodes or SSH hosts.
+"""``launch``: a script or the worker, on simulated nodes or SSH hosts.
 
-Picks the backend from the arguments (``hosts``: :class:`ddpnb.remote.Hosts`; else
-:class:`ddpnb.local.Local`), builds the :class:`~ddpnb.plan.Plan`, and hands both to the
-one pipeline (:func:`ddpnb.pipeline.run`). A Slurm job goes through the same pipeline from
+Picks the scheduler from the arguments (``hosts``: :class:`ddpnb.remote.Hosts`; else
+:class:`ddpnb.local.Local`) and hands it to the one pipeline (:func:`ddpnb.pipeline.run`). A Slurm job goes through the same pipeline from
 :func:`ddpnb.submit_slurm`.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .config import TrainConfig
 from .errors import ConfigError
-from .job import Backend, Job
+from .job import Job, Scheduler
 from .local import Local
 from .pipeline import run
-from .plan import FIRST_HOST, HANG_TIMEOUT, Plan
+from .plan import HANG_TIMEOUT
 from .script import Script
-from .topology import Topology
 
-__all__ = ["Job", "launch", "train_single"]
+__all__ = ["Job", "launch"]
 
 
 def launch(
@@ -89,49 +88,29 @@ def launch(
             )
         if local_nodes is not None:
             raise ConfigError("local_nodes applies to simulated nodes; with hosts every host runs.")
-        backend: Backend = Hosts(
-            hosts, ssh_config, ssh_options, python, remote_run_dir, master_port
+        topology = (nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts)
+        scheduler: Scheduler = Hosts(
+            hosts, *topology, ssh_config, ssh_options, python, remote_run_dir
         )
-        # Node 0's address and port: the first host's, known once ssh names it and its
-        # preflight finds a free port there (Hosts.preflight); 1 stands for the port until then.
-        topology = Topology(
-            len(hosts), nproc_per_node, master_addr or FIRST_HOST, master_port or 1,
-            rdzv_timeout, max_restarts,
-        )  # fmt: skip
     else:
         if ssh_config is not None or ssh_options or python or remote_run_dir:
             raise ConfigError(
                 "ssh_config, ssh_options, python and remote_run_dir need hosts=[...]."
             )
-        backend = Local(
+        scheduler = Local(
             2 if nnodes is None else nnodes, nproc_per_node, master_addr or "127.0.0.1",
             master_port, rdzv_timeout, max_restarts, local_nodes,
         )  # fmt: skip
-        topology = backend.topology
-    plan = Plan(
-        what,
-        topology,
-        progress=progress,
-        env=env,
-        resume=resume,
-        overwrite=overwrite,
-        hang_timeout=hang_timeout,
-        on_hang=on_hang,
+    options = {"progress": progress, "env": env, "resume": resume, "overwrite": overwrite}
+    options |= {"hang_timeout": hang_timeout, "on_hang": on_hang}
+    return run(what, run_dir, scheduler, wait=wait, **options)
+
+
+def train_single(config: TrainConfig | Mapping[str, Any], run_dir: str | os.PathLike, **kwargs):
+    """Deprecated: ``launch(config, run_dir, nnodes=1)`` is the same run, under one name."""
+    warnings.warn(
+        "ddpnb.train_single(cfg, run_dir) is now ddpnb.launch(cfg, run_dir, nnodes=1).",
+        FutureWarning,
+        stacklevel=2,
     )
-    return run(plan, run_dir, backend, wait=wait)
-
-
-def train_single(
-    config: TrainConfig | Mapping[str, Any], run_dir: str | os.PathLike, **kwargs: Any
-) -> Job:
-    """Run the worker as one process (``torchrun --nnodes 1 --nproc_per_node 1``).
-
-    The single-node baseline; takes :func:`launch`'s keyword arguments.
-
-    Example
-    -------
-    >>> job = train_single(TrainConfig(data_dir="data/digits"), "runs/baseline")  # doctest: +SKIP
-    >>> job.metrics.final["val_acc"] > 0.9                                          # doctest: +SKIP
-    True
-    """
     return launch(config, run_dir, nnodes=1, nproc_per_node=1, **kwargs)

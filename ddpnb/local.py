@@ -1,7 +1,7 @@
 """Simulated nodes: every node's torchrun agent on this machine, the store on loopback.
 
-The backend of ``ddpnb.launch(...)`` without hosts. Its nodes are processes of this
-machine (:class:`~ddpnb.job.Processes` watches and stops them); what it adds is which
+The scheduler of ``ddpnb.launch(...)`` without hosts. Its nodes are processes of this
+machine (:class:`~ddpnb.pipeline.Processes` starts, watches and stops them); what it adds is which
 nodes start here, node 0's port, and the command that starts each agent.
 """
 
@@ -12,12 +12,13 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 from .agent import LIFELINE_ENV, loopback_bind_address
 from .config import check_int
-from .errors import ConfigError, LaunchError
-from .job import AGENT, Job, Processes, open_lifeline
+from .errors import ConfigError
 from .log import logger
+from .pipeline import AGENT, Processes
 from .plan import Plan
 from .preflight import check_port_free, free_port
 from .topology import Topology
@@ -58,15 +59,15 @@ class Local(Processes):
         self.topology = Topology(
             nnodes, nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts
         )
+        self.nnodes, self.nproc_per_node = nnodes, nproc_per_node
 
     def check(self, plan: Plan) -> None:
-        pass  # the nodes and the port were checked when this backend was made
+        pass  # the nodes and the port were checked when this scheduler was made
 
-    def preflight(self, plan: Plan) -> Topology:
-        return plan.topology
+    def preflight(self, plan: Plan, run_dir: Path) -> Topology:
+        return self.topology
 
-    def start(self, plan: Plan) -> Job:
-        topology, run_dir = plan.topology, plan.run_dir
+    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:
         logger.info(
             "launching %d node(s) x %d process(es); node 0 is the master and hosts the "
             "rendezvous at %s:%d",
@@ -75,39 +76,24 @@ class Local(Processes):
             topology.master_addr,
             topology.master_port,
         )
-        # The run's lifetime is tied to this process: when it ends, however it ends, the
-        # pipe's write end closes and every agent stops its node (see agent.watch_lifeline).
-        lifeline_read, self.lifeline = open_lifeline()
         procs_here = len(self.nodes) * topology.nproc_per_node
         env = {
             **os.environ,
             **plan.node_env(str(run_dir), procs_here, pythonpath=os.environ.get("PYTHONPATH")),
-            LIFELINE_ENV: str(lifeline_read),
         }
-        try:
+
+        def commands(lifeline: int) -> dict:
+            # The run's lifetime is tied to this process: when it ends, however it ends, the
+            # pipe's write end closes and every agent stops its node (agent.watch_lifeline).
+            popen = {"cwd": run_dir, "env": {**env, LIFELINE_ENV: str(lifeline)}}
+            popen |= {"stdin": subprocess.DEVNULL, "pass_fds": (lifeline,)}
+            out = {}
             for n in self.nodes:
                 cmd = topology.command(  # the agent: torchrun, its store bound to loopback
-                    [sys.executable, str(AGENT)],
-                    n,
-                    plan.script,
-                    str(run_dir),
+                    [sys.executable, str(AGENT)], n, plan.script, str(run_dir),
                     log_dir=str(run_dir / "logs" / f"node-{n}"),
-                )
-                self.spawn(
-                    n,
-                    cmd,
-                    run_dir / "logs" / f"node-{n}.log",
-                    shlex.join(cmd),
-                    cwd=run_dir,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    pass_fds=(lifeline_read,),
-                )
-        except BaseException as e:  # an OSError, or Ctrl-C/SIGTERM before the Job exists
-            self.kill_all()  # nothing to save yet; its workers see EOF too
-            if isinstance(e, OSError):
-                raise LaunchError(f"Could not start torchrun: {e}") from e
-            raise
-        finally:
-            os.close(lifeline_read)  # the agents hold it now
-        return Job(run_dir, plan.script, plan.config, topology, self, **plan.follow)
+                )  # fmt: skip
+                out[n] = (cmd, shlex.join(cmd), popen)
+            return out
+
+        self.spawn_all(run_dir, "torchrun", commands)

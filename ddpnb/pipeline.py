@@ -1,43 +1,177 @@
-"""The launch pipeline: check, prepare the run directory, start the nodes, follow them.
+"""The launch pipeline, and the processes it owns: check, prepare, start, follow.
 
-Written once for every backend (``ddpnb.local.Local``, ``ddpnb.remote.Hosts``,
-``ddpnb.slurm.Slurm``), none of which it imports: a backend is handed to :func:`run`,
-which calls it in this order. The kernel never joins the process group: each node runs
-one ``torchrun`` agent as a fresh process (no fork), from an explicit environment, and the
-Job follows the files the workers write.
+Written once for every scheduler (``ddpnb.local.Local``, ``ddpnb.remote.Hosts``,
+``ddpnb.slurm.Slurm``), none of which it imports. The kernel never joins the process
+group: each node runs one ``torchrun`` agent as a fresh process (no fork), from an
+explicit environment, and the Job follows the files the workers write.
+
+The lifeline ties every agent to this process: the agents hold the read end of a pipe
+whose write end only this process holds, so they stop their nodes when it ends, however
+it ends (a Slurm job belongs to the cluster instead, and has none).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+from .agent import descendants
+from .errors import LaunchError
 from .hang import WATCH_DIR, hooks_payload
-from .job import Backend, Job
+from .job import Job, Scheduler
 from .plan import Plan
-from .preflight import check_run, warn_if_cuda_initialised
+from .preflight import warn_if_cuda_initialised
 from .rundir import prepare_run_dir
-from .script import worker_script
+
+AGENT = Path(__file__).with_name("agent.py")  # each node's torchrun; its source goes over ssh
+STOP_GRACE_SECONDS = 4.0
 
 
-def run(plan: Plan, run_dir: str | os.PathLike, backend: Backend, *, wait: bool) -> Job:
-    """The pipeline every launch goes through; nothing starts before every check passed."""
-    plan.script.check()
-    if plan.config is not None:
-        plan.config = check_run(plan.config, plan.topology, here=backend.data_here)
-        plan.script = worker_script(plan.config)  # its config.json holds the checked paths
-    plan.payload = plan.script.payload()  # read once: the run directory's and the hosts' files
-    backend.check(plan)  # nothing written yet
-    plan.run_dir = prepare_run_dir(
+def run(
+    what: Any, run_dir: str | os.PathLike, scheduler: Scheduler, *, wait: bool, **options
+) -> Job:
+    """The one path of every launch; nothing starts before every check passed.
+
+    ``what``: a Script or the worker's config; ``options``: :meth:`Plan.of`'s.
+    """
+    world_size = scheduler.nnodes * scheduler.nproc_per_node
+    plan = Plan.of(what, world_size, scheduler.data_here, **options)
+    scheduler.check(plan)  # nothing written yet
+    run_dir = prepare_run_dir(
         run_dir, plan.payload, plan.config, resume=plan.resume, overwrite=plan.overwrite
     ).resolve()
-    plan.topology = backend.preflight(plan)
+    topology = scheduler.preflight(plan, run_dir)  # the run's final shape and meeting point
     warn_if_cuda_initialised()
-    plan.payload.update(hooks_payload())  # ddpnb's own files: replaced at every launch
-    shutil.rmtree(plan.run_dir / WATCH_DIR, ignore_errors=True)  # an earlier launch's stacks
-    for name, data in plan.payload.items():
-        (plan.run_dir / name).parent.mkdir(parents=True, exist_ok=True)
-        (plan.run_dir / name).write_bytes(data)
-    (plan.run_dir / "logs").mkdir(exist_ok=True)
-    job = backend.start(plan)
+    shutil.rmtree(run_dir / WATCH_DIR, ignore_errors=True)  # an earlier launch's stacks
+    for name, data in {**plan.payload, **hooks_payload()}.items():  # ddpnb's hooks: fresh
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(data)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    scheduler.start(plan, run_dir, topology)
+    job = Job(run_dir, plan.script, plan.config, topology, scheduler, **plan.follow)
     return job.wait() if wait else job
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+_lifelines: set[int] = set()  # write ends held by this process, one per running job
+
+
+def open_lifeline() -> tuple[int, int]:
+    """A pipe (read, write): the agents get the read end, only this process the write end.
+
+    Both ends are non-inheritable; a forked child closes its copies of the write ends, so
+    no other process can keep a run alive.
+    """
+    if not _lifelines:
+        os.register_at_fork(after_in_child=lambda: [close_lifeline(fd) for fd in list(_lifelines)])
+    read_fd, write_fd = os.pipe()
+    _lifelines.add(write_fd)
+    return read_fd, write_fd
+
+
+def close_lifeline(fd: int) -> None:
+    _lifelines.discard(fd)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class Processes(Scheduler):
+    """Nodes that are processes of this machine: torchrun agents, or ssh clients running them.
+
+    The base of the simulated nodes' scheduler and the SSH hosts', which differ only in
+    the command that starts a node; this class starts, watches and stops either kind.
+    """
+
+    def __init__(self) -> None:
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.lifeline: int | None = None  # write end of the pipe the agents watch
+        self._known: set[int] = set()
+
+    def spawn_all(self, run_dir: Path, program: str, commands: Callable[[int], dict]) -> None:
+        """Start every node: ``commands(lifeline_read_fd)`` gives ``{node: (argv, shown,
+        popen_kwargs)}``; output to ``logs/node-N.log``. A failed start stops what started."""
+        lifeline_read, self.lifeline = open_lifeline()
+        try:
+            for node, (cmd, shown, popen) in commands(lifeline_read).items():
+                with open(run_dir / "logs" / f"node-{node}.log", "ab") as out:
+                    out.write(f"$ {shown}\n".encode())
+                    out.flush()
+                    self.procs[node] = subprocess.Popen(
+                        cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen
+                    )
+        except BaseException as e:  # an OSError, or Ctrl-C/SIGTERM before the Job exists
+            for proc in self.procs.values():  # nothing to save yet: no grace
+                _signal_group(proc.pid, signal.SIGKILL)
+            self.cut_lifeline()
+            if isinstance(e, OSError):
+                raise LaunchError(f"Could not start {program}: {e}") from e
+            raise
+        finally:
+            os.close(lifeline_read)  # the agents hold it now
+
+    def poll(self) -> dict[int, int | None]:
+        self.pids()
+        return {n: p.poll() for n, p in self.procs.items()}
+
+    def pids(self) -> list[int]:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                self._known.add(proc.pid)
+                self._known.update(descendants(proc.pid))
+        return sorted(p for p in self._known if alive(p))
+
+    def cut_lifeline(self) -> None:
+        if self.lifeline is not None:
+            close_lifeline(self.lifeline)
+            self.lifeline = None
+
+    def stop(self) -> None:
+        """SIGTERM every agent's group, SIGKILL what is left after a short grace."""
+        self.pids()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGTERM)  # the agent forwards it to its workers
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        while time.monotonic() < deadline and any(alive(p) for p in self._known):
+            for proc in self.procs.values():
+                proc.poll()  # reap agents so they stop counting as alive
+            time.sleep(0.05)
+        for pid in self._known:
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.cut_lifeline()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except OSError:
+        pass

@@ -1,62 +1,72 @@
-"""One run, checked: the script, its config (ddpnb's worker), the topology, each node's environment."""
+"""One run, checked: the script, its config (ddpnb's worker), each node's environment."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from .config import TrainConfig
 from .constants import threads_for_host
 from .errors import ConfigError
 from .hang import watch_env
-from .preflight import as_config, check_progress
+from .preflight import as_config, check_progress, check_run
 from .reporting import FAULT_ENV, RUN_DIR_ENV, parse_fault
 from .script import Script, worker_script
-from .topology import Topology
 
 HANG_TIMEOUT = 60.0  # seconds without progress, a rank waiting in a collective: the run hangs
 WATCH_INTERVAL = 2.0  # seconds between a worker's snapshots of its stack
-FIRST_HOST = "<the first host>"  # master_addr on SSH hosts until ssh names the first one's
 
 
+@dataclasses.dataclass(frozen=True)
 class Plan:
-    """One run, checked: the script, its config (ddpnb's worker) and where it runs."""
+    """One run, checked, built once by :meth:`of`: the script and its files, the worker's
+    config (None for your own script), the nodes' ``env``, and how the Job follows it."""
 
-    def __init__(
-        self,
+    script: Script
+    config: TrainConfig | None
+    payload: Mapping[str, bytes]  # the script's files by name, read once
+    env: Mapping[str, str]
+    progress: str = "auto"
+    resume: bool = False  # what to do with a run already in the run directory
+    overwrite: bool = False
+    hang_timeout: float | None = HANG_TIMEOUT
+    on_hang: str = "stop"
+
+    @classmethod
+    def of(
+        cls,
         what: Script | TrainConfig | Mapping[str, Any],
-        topology: Topology,
+        world_size: int,
+        data_here: bool,
         *,
-        progress: str,
-        env: Mapping[str, str] | None,
-        resume: bool = False,
-        overwrite: bool = False,
+        env: Mapping[str, str] | None = None,
+        progress: str = "auto",
         hang_timeout: float | None = HANG_TIMEOUT,
         on_hang: str = "stop",
-    ) -> None:
-        if isinstance(what, Script):
-            self.script, self.config = what, None
-        else:
-            self.config = as_config(what)
-            self.script = worker_script(self.config)
-        self.topology = topology
-        self.progress = check_progress(progress)
+        **rundir: bool,
+    ) -> Plan:
+        """Check everything about ``what`` that needs no node (ConfigError names the fix)."""
+        config = None
+        if not isinstance(what, Script):
+            config = check_run(as_config(what), world_size, here=data_here)
+        script = what if config is None else worker_script(config)
+        script.check()
         if env is not None and not (
             isinstance(env, Mapping)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
         ):
             raise ConfigError("env must be a dict of strings, e.g. {'NCCL_DEBUG': 'INFO'}.")
-        self.env = dict(env or {})
         try:  # the fault drill (notebook 04): read by every rank's first report.step
-            parse_fault(self.env.get(FAULT_ENV, ""))
+            parse_fault((env or {}).get(FAULT_ENV, ""))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.run_dir = Path()
-        self.payload: dict[str, bytes] = {}  # the script's files by name, read once by run()
-        self.resume, self.overwrite = resume, overwrite  # what to do with a run already there
-        self.hang_timeout, self.on_hang = check_hang(hang_timeout, on_hang)
+        hang_timeout, on_hang = check_hang(hang_timeout, on_hang)
+        return cls(
+            script, config, script.payload(), dict(env or {}), check_progress(progress),
+            hang_timeout=hang_timeout, on_hang=on_hang, **rundir,
+        )  # fmt: skip
 
     @property
     def follow(self) -> dict[str, Any]:

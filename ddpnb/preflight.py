@@ -17,7 +17,6 @@ from typing import Any
 from .config import TrainConfig, check_int
 from .data import require_valid_dataset
 from .errors import ConfigError, PortInUseError
-from .topology import Topology
 
 PROGRESS_MODES = ("auto", "widgets", "text", "none")
 
@@ -28,7 +27,7 @@ def check_progress(progress: str) -> str:
     return progress
 
 
-def check_run(config: TrainConfig, topology: Topology, here: bool = True) -> TrainConfig:
+def check_run(config: TrainConfig, world_size: int, here: bool = True) -> TrainConfig:
     """Check the worker's dataset and model; return the config with data_dir absolute.
 
     ``here=False`` (real hosts): the dataset need not be on this machine, where it is
@@ -38,7 +37,7 @@ def check_run(config: TrainConfig, topology: Topology, here: bool = True) -> Tra
     if here or data_dir.exists():
         data_dir = data_dir.resolve()
         summary = require_valid_dataset(data_dir)
-        check_batch_size(config, summary.split_size("train"), topology.world_size)
+        check_batch_size(config, summary.split_size("train"), world_size)
     elif not data_dir.is_absolute():
         raise ConfigError(
             f"data_dir {config.data_dir!r} is not on this machine, so it must be an absolute "

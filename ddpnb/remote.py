@@ -15,7 +15,6 @@ connection does, the agent sees end-of-file and stops its node (see ddpnb.agent)
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 import shlex
@@ -30,12 +29,11 @@ from pathlib import Path
 from .agent import LIFELINE_ENV
 from .config import TrainConfig
 from .diagnosis import log_tail, resume_hint
-from .errors import ConfigError, HostError, LaunchError, NodeLost, RunFailed
+from .errors import ConfigError, HostError, NodeLost, RunFailed
 from .hang import WATCH_DIR
-from .job import AGENT, Job, Processes, open_lifeline
 from .log import logger
 from .network import check_network
-from .plan import FIRST_HOST
+from .pipeline import AGENT, Processes
 from .preflight import as_config, check_run
 from .report import Table
 from .rundir import PRODUCTS
@@ -52,7 +50,7 @@ from .ssh import (
     push,
     remote_line,
 )
-from .topology import Topology
+from .topology import Topology, check_meeting_point, check_shape
 
 REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace (5 s)
 SYNC_SECONDS = 2.0  # how often node 0's progress is copied here (one SSH login each)
@@ -60,15 +58,13 @@ STACKS_SYNC_SECONDS = 5.0  # how often the ranks' stacks are copied here (one lo
 # torch.distributed's and the backends' own settings travel from this machine's
 # environment to the hosts (NCCL_SOCKET_IFNAME, NCCL_DEBUG, GLOO_SOCKET_IFNAME, ...).
 FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_CPP_LOG")
-CLEAN = """
+HELD = """
 import os, shutil, sys
-root = sys.argv[1]
-for name in sys.argv[2:]:
-    path = os.path.join(root, name)
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.unlink(path)
+root, clean, names = sys.argv[1], sys.argv[2] == "True", sys.argv[3:]
+held = [n for n in names if os.path.lexists(os.path.join(root, n))]
+for path in [os.path.join(root, n) for n in held] if clean else []:
+    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+print(" ".join(held))
 """
 
 
@@ -96,13 +92,22 @@ class Hosts(Processes):
     def __init__(
         self,
         hosts: Sequence[str],
+        nproc_per_node: int,
+        master_addr: str | None,
+        master_port: int | None,
+        rdzv_timeout: int,
+        max_restarts: int,
         ssh_config: str | os.PathLike | None,
         ssh_options: Sequence[str],
         python: str | None,
         remote_run_dir: str | None,
-        master_port: int | None,
     ) -> None:
+        super().__init__()
         self.parsed = parse_hosts(hosts)
+        self.nnodes, self.nproc_per_node = len(self.parsed), nproc_per_node
+        check_shape(self.nnodes, nproc_per_node, rdzv_timeout, max_restarts)
+        check_meeting_point(master_addr, master_port)
+        self.shape = (master_addr, master_port, rdzv_timeout, max_restarts)
         self.ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
         self.python = python or sys.executable
         if remote_run_dir is not None and not str(remote_run_dir).startswith("/"):
@@ -110,45 +115,42 @@ class Hosts(Processes):
                 f"remote_run_dir must be an absolute path on the hosts, got {remote_run_dir!r}."
             )
         self.remote_run_dir = remote_run_dir
-        self.master_port = master_port
-        super().__init__()
         self.hosts = [h.spec for h in self.parsed]
         self._synced = self._stacks_synced = 0.0  # when progress and stacks were copied
 
     def check(self, plan) -> None:
         pass  # the hosts are asked in preflight, with the run directory's marker
 
-    def preflight(self, plan) -> Topology:
-        """Probe every host (login, interpreter, torch, data, node 0's port); nothing starts."""
-        config = plan.config
+    def preflight(self, plan, run_dir: Path) -> Topology:
+        """Probe every host (login, interpreter, torch, data, node 0's port), then prove the
+        network; nothing starts. Node 0's address: the user's, else the first host's."""
+        master_addr, master_port, rdzv_timeout, max_restarts = self.shape
+        config, self.run_dir = plan.config, run_dir
         probes = _preflight(
             self.ssh,
             self.parsed,
             self.python,
             config.data_dir if config is not None else None,
-            plan.run_dir,
-            plan.topology.nproc_per_node,
-            self.master_port,
+            run_dir,
+            self.nproc_per_node,
+            master_port,
             gpus=config is not None and config.backend == "nccl",
         )
         self.shared = [p.report["shared"] for p in probes]
         self.cpus = [p.report["cpus"] for p in probes]
-        run_dir = str(plan.run_dir)
-        self.dirs = [run_dir if s else str(self.remote_run_dir or run_dir) for s in self.shared]
-        names = list(plan.payload)
-        _check_remote_dirs(self.ssh, self.parsed, self.python, self.dirs, self.shared, names, plan)
-        addr = plan.topology.master_addr  # the user's, or a placeholder for the first host's
-        master_addr = addr if addr != FIRST_HOST else self.ssh.hostname(self.parsed[0])
-        topology = dataclasses.replace(
-            plan.topology, master_addr=master_addr, master_port=probes[0].report["port"]
-        )
+        self.dirs = [str(run_dir if s else self.remote_run_dir or run_dir) for s in self.shared]
+        _check_remote_dirs(self.ssh, self.parsed, self.python, self.dirs, self.shared, plan)
+        topology = Topology(
+            self.nnodes, self.nproc_per_node, master_addr or self.ssh.hostname(self.parsed[0]),
+            probes[0].report["port"], rdzv_timeout, max_restarts,
+        )  # fmt: skip
         # The network, proven: every host reaches node 0 and every peer; each gets its
         # interface toward node 0 unless the user set one (a NetworkError names the rest).
         self.network = check_network(
             self.ssh,
             self.parsed,
             self.python,
-            master_addr=master_addr,
+            master_addr=topology.master_addr,
             master_port=topology.master_port,
             backend=_ifname_backend(config),
             user_env={**forwarded_env(os.environ), **plan.env},
@@ -156,12 +158,12 @@ class Hosts(Processes):
         logger.info("network check:\n%s", self.network.table())
         return topology
 
-    def start(self, plan) -> Job:
-        topology, run_dir, payload = plan.topology, plan.run_dir, plan.payload
+    def start(self, plan, run_dir: Path, topology: Topology) -> None:
         todo = [n for n, s in enumerate(self.shared) if not s]
         with ThreadPoolExecutor(max_workers=len(self.parsed)) as pool:
             for _ in pool.map(
-                lambda n: push(self.ssh, self.parsed[n], self.python, self.dirs[n], payload), todo
+                lambda n: push(self.ssh, self.parsed[n], self.python, self.dirs[n], plan.payload),
+                todo,
             ):
                 pass
         logger.info(
@@ -173,9 +175,9 @@ class Hosts(Processes):
             topology.master_addr,
             topology.master_port,
         )
-        self.run_dir = run_dir
-        lifeline_read, self.lifeline = open_lifeline()
-        try:
+
+        def commands(lifeline: int) -> dict:
+            out = {}
             for n, host in enumerate(self.parsed):
                 env = plan.node_env(self.dirs[n], topology.nproc_per_node, self.cpus[n])
                 env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **self.network.env(n), **env}
@@ -183,16 +185,10 @@ class Hosts(Processes):
                     self.ssh, host, self.python, self.dirs[n], topology, n, env, plan.script
                 )
                 # ssh forwards its input's EOF: the host's agent then stops its node.
-                self.spawn(n, cmd, run_dir / "logs" / f"node-{n}.log", shown,
-                           stdin=lifeline_read, env=dict(os.environ))  # fmt: skip
-        except BaseException as e:
-            self.kill_all()  # each host's agent sees its session end, and stops
-            if isinstance(e, OSError):
-                raise LaunchError(f"Could not start ssh: {e}") from e
-            raise
-        finally:
-            os.close(lifeline_read)
-        return Job(run_dir, plan.script, plan.config, topology, self, **plan.follow)
+                out[n] = (cmd, shown, {"stdin": lifeline, "env": dict(os.environ)})
+            return out
+
+        self.spawn_all(run_dir, "ssh", commands)
 
     def sync_stacks(self, force: bool) -> None:
         """Copy the ranks' stack snapshots here from hosts without the shared folder.
@@ -348,8 +344,7 @@ def check_hosts(
     python = python or sys.executable
     data_dir = None
     if config is not None:
-        topology = Topology(len(parsed), nproc_per_node, "hosts", 1)
-        config = check_run(as_config(config), topology, here=False)
+        config = check_run(as_config(config), len(parsed) * nproc_per_node, here=False)
         data_dir = config.data_dir
     folder = Path(run_dir) if run_dir is not None else None
     if folder is None or not folder.is_dir():
@@ -392,42 +387,27 @@ def check_hosts(
     return rows
 
 
-def _check_remote_dirs(
-    ssh: Ssh,
-    hosts: list[Host],
-    python: str,
-    dirs: list[str],
-    shared: list[bool],
-    names: list[str],
-    plan,
-) -> None:
+def _check_remote_dirs(ssh: Ssh, hosts: list[Host], python: str, dirs, shared, plan) -> None:
     """A host's own copy of the run directory follows the same rules as the local one."""
-    resume, overwrite = plan.resume, plan.overwrite
+    names = [*PRODUCTS, *plan.payload]
     for n, host in enumerate(hosts):
-        if shared[n]:
-            continue
-        held = _remote_products(ssh, host, python, dirs[n], names)
-        if held and not (resume or overwrite):
+        held = [] if shared[n] else _held(ssh, host, python, dirs[n], names, clean=False)
+        if held and not (plan.resume or plan.overwrite):
             raise HostError(
                 f"{host.spec}:{dirs[n]} already holds a run (found {', '.join(held)}). Nothing was "
                 "changed. Pass resume=True to continue it, overwrite=True to replace it there, or "
                 "another remote_run_dir.",
                 host=host.spec,
             )
-        if held and overwrite:
-            cmd = ssh.command(host, remote_line([python, "-c", CLEAN, dirs[n], *held]))
-            subprocess.run(
-                cmd, capture_output=True, timeout=30, env=dict(os.environ), stdin=subprocess.DEVNULL
-            )
+        if held and plan.overwrite:
+            _held(ssh, host, python, dirs[n], held, clean=True)
 
 
-def _remote_products(
-    ssh: Ssh, host: Host, python: str, remote_dir: str, names: Sequence[str]
-) -> list[str]:
-    code = "import os, sys; print(' '.join(p for p in sys.argv[2:] if os.path.exists(os.path.join(sys.argv[1], p))))"
-    cmd = ssh.command(host, remote_line([python, "-c", code, remote_dir, *PRODUCTS, *names]))
+def _held(ssh: Ssh, host: Host, python: str, root: str, names, clean: bool) -> list[str]:
+    """Which of ``names`` ``root`` on ``host`` holds (``clean``: removed)."""
+    argv = [python, "-c", HELD, root, str(clean), *names]
     out = subprocess.run(
-        cmd,
+        ssh.command(host, remote_line(argv)),
         capture_output=True,
         text=True,
         timeout=30,

@@ -41,11 +41,11 @@ from .errors import (
     SlurmJobEnded,
     SlurmRequestError,
 )
-from .job import Job
+from .job import Job, Scheduler
 from .log import logger
 from .metrics import read_progress
 from .pipeline import run
-from .plan import HANG_TIMEOUT, Plan
+from .plan import HANG_TIMEOUT
 from .preflight import as_config, check_progress
 from .reporting import RUN_DIR_ENV
 from .rundir import WORKER_NAME
@@ -53,9 +53,7 @@ from .script import MESHCHECK_NAME, Script, worker_script
 from .topology import Topology
 
 POLL_SECONDS = 2.0  # between questions to slurmctld: a shared service, asked gently
-FILE_POLL_SECONDS = 0.5  # between reads of the run directory (progress, metrics)
 STOP_TIMEOUT = 60.0  # scancel: Slurm's KillWait plus its epilog, with room to spare
-FIRST_NODE = "<first node>"  # the rendezvous host until Slurm names it
 SLURM_RDZV_TIMEOUT = 300  # seconds the nodes have to join: Slurm starts them one by one
 MESHCHECK_PATH = Path(__file__).with_name("meshcheck.py")
 JOB_FILE = "slurm_job.json"  # what attach() needs: the job id, the shape, the cluster
@@ -64,20 +62,11 @@ MARKER_NAME = ".ddpnb-submit-marker"
 NOT_SHARED_EXIT = 97  # the batch script's exit code when a node cannot see the marker
 NETWORK_EXIT = 96  # ... when the network check of its first step failed
 # States in which the job may still run (or run again, after a requeue).
-ALIVE = {
-    "PENDING",
-    "CONFIGURING",
-    "RUNNING",
-    "COMPLETING",
-    "SUSPENDED",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "RESIZING",
-    "SIGNALING",
-    "STAGE_OUT",
-    "STOPPED",
-}
+ALIVE = set(
+    "PENDING CONFIGURING RUNNING COMPLETING SUSPENDED REQUEUED REQUEUE_HOLD REQUEUE_FED "
+    "RESIZING SIGNALING STAGE_OUT STOPPED".split()
+)
+QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "")
 # What to do when Slurm itself ended the job, by Slurm's state.
 ENDED_HINTS = {
     "TIMEOUT": "it ran into its time limit: submit again with a longer time= and resume=True",
@@ -95,9 +84,7 @@ ENDED_HINTS = {
 
 def _slurm_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """A copy of this process's environment (SLURM_CONF included), never modified in place."""
-    env = dict(os.environ)
-    env.update(extra or {})
-    return env
+    return {**os.environ, **(extra or {})}
 
 
 def _run_slurm(
@@ -269,82 +256,72 @@ def _timestamp(text: str) -> float | None:
         return None
 
 
-class Slurm:
-    """The Slurm backend: a run as one batch job, submitted with ``sbatch`` and followed.
+class Slurm(Scheduler):
+    """The Slurm scheduler: a run as one batch job, submitted with ``sbatch`` and followed.
 
     ``check`` holds the request against the cluster (partition, nodes, GPUs), ``start``
-    writes the batch script and submits it; from then on (or after :meth:`follow`, for a
-    job submitted earlier) Slurm is asked how the job is (``scontrol``, at most every
+    writes the batch script and submits it; from then on (or given ``job_id``, for a job
+    submitted earlier: :func:`attach`) Slurm is asked how the job is (``scontrol``, at most every
     POLL_SECONDS) and ``stop()`` is ``scancel`` until Slurm reports the end. The run
     directory is shared, so no file moves. ``options``: sbatch's (``partition``, ``time``,
     ``account``, ``gpus_per_node``, ``sbatch_args``) and the nodes' ``python``.
     """
 
-    data_here = True  # the run directory (and the data) are on the shared filesystem
-    hosts = None
     watch_stalls = False  # a queued job is silent for as long as Slurm makes it wait
     outlives_launcher = True  # a batch job belongs to the cluster, not to this process
-    procs: dict = {}
 
-    def __init__(self, env: Mapping[str, str], **options: Any) -> None:
-        self.env, self.options = dict(env), options
-        self.run_dir, self.job_id, self.nnodes = Path(), "", 0  # the job's, once submitted
+    def __init__(
+        self, topology: Topology, env: Mapping[str, str], run_dir: Path = Path(), job_id: str = "",
+        **options: Any,
+    ) -> None:  # fmt: skip
+        self.topology, self.env, self.options = topology, dict(env), options
+        self.nnodes, self.nproc_per_node = topology.nnodes, topology.nproc_per_node
+        self.run_dir, self.job_id = Path(run_dir), str(job_id)  # the job's, once submitted
         self.master_addr: str | None = None  # the allocation's first node, once it runs
         self._state: dict[str, str] = {}
         self._asked = 0.0
         self.cancelled_here = False
 
-    def follow(self, run_dir: Path, job_id: str, nnodes: int) -> Slurm:
-        """Follow the job ``job_id`` (submitted here, or earlier: :func:`attach`)."""
-        self.run_dir, self.job_id, self.nnodes = Path(run_dir), str(job_id), nnodes
-        return self
+    @property
+    def master_port(self) -> int | None:
+        """The rendezvous port the batch script derives from its job id (as the script does)."""
+        return 20000 + int(re.sub(r"\D.*", "", self.job_id) or 0) % 20000 if self.job_id else None
 
     def check(self, plan) -> None:
         o = self.options
         o["partition"] = check_slurm_request(
-            plan.topology.nnodes, o["partition"], o["gpus_per_node"], self.env
+            self.nnodes, o["partition"], o["gpus_per_node"], self.env
         )
 
-    def preflight(self, plan) -> Topology:
-        _refuse_live_job(plan.run_dir, self.env)
-        return plan.topology
+    def preflight(self, plan, run_dir: Path) -> Topology:
+        _refuse_live_job(run_dir, self.env)
+        return self.topology  # the first node and the port: the job's, once it runs
 
-    def start(self, plan) -> Job:
-        o, run_dir, topology = self.options, plan.run_dir, plan.topology
+    def start(self, plan, run_dir: Path, topology: Topology) -> None:
+        o = self.options
         token = secrets.token_hex(16)
         (run_dir / MARKER_NAME).write_text(token + "\n")
         (run_dir / MESHCHECK_NAME).write_bytes(MESHCHECK_PATH.read_bytes())
-        slurm_script(
-            plan.script,
-            run_dir,
-            topology.nnodes,
-            topology.nproc_per_node,
-            master_port=None,
-            time_limit=o["time"],
-            gpus_per_node=o["gpus_per_node"] or 0,
-            path=run_dir / SCRIPT_NAME,
-            partition=o["partition"],
-            account=o["account"],
-            python=o["python"],
-            max_restarts=topology.max_restarts,
-            rdzv_timeout=topology.rdzv_timeout,
-            marker=token,
-            network_check=True,
-            batch_log=None,  # on sbatch's command line: the run directory may hold spaces
-            env=plan.user_env(str(run_dir), os.environ.get("PYTHONPATH")),
-        )
+        # sbatch's --output goes on its command line: a #SBATCH line cannot hold a space.
+        sbatch = sbatch_options(
+            topology.nnodes, "ddpnb", o["time"], o["gpus_per_node"],
+            partition=o["partition"], account=o["account"],
+        )  # fmt: skip
+        env = plan.user_env(str(run_dir), os.environ.get("PYTHONPATH"))
+        text = batch_script(plan.script, run_dir, topology, sbatch, o["python"], env, token)
+        (run_dir / SCRIPT_NAME).write_text(text)
         output = f"--output={run_dir / 'logs' / 'slurm-%j.out'}"
         argv = ["sbatch", "--parsable", output, *o["sbatch_args"], str(run_dir / SCRIPT_NAME)]
-        submitted_at = _time_now()
-        job_id = _submit(argv, run_dir, self.env).strip().split(";")[0]
+        submitted_at = time.time()
+        self.run_dir, self.job_id = run_dir, _submit(argv, run_dir, self.env).strip().split(";")[0]
         logger.info(
             "submitted Slurm job %s: %d node(s) x %d process(es)",
-            job_id,
+            self.job_id,
             topology.nnodes,
             topology.nproc_per_node,
         )
         record = {
-            "job_id": job_id,
+            "job_id": self.job_id,
             "nnodes": topology.nnodes,
             "nproc_per_node": topology.nproc_per_node,
             "partition": o["partition"],
@@ -359,8 +336,6 @@ class Slurm:
             "max_restarts": topology.max_restarts,
         }
         (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        self.follow(run_dir, job_id, topology.nnodes)
-        return _job(self, plan.script, plan.config, record, plan.follow)
 
     def slurm_state(self, fresh: bool = False) -> dict[str, str]:
         """Slurm's fields for the job (``JobState``, ``Reason``, ...), asked at most every
@@ -387,13 +362,7 @@ class Slurm:
 
     def pending(self) -> str | None:
         info = self.slurm_state()
-        if info.get("JobState", "") not in (
-            "PENDING",
-            "REQUEUED",
-            "REQUEUE_HOLD",
-            "CONFIGURING",
-            "",
-        ):
+        if info.get("JobState", "") not in QUEUED:
             return None
         reason = info.get("Reason", "")
         reason = "" if reason in ("None", "(null)") else reason  # Slurm's word for no reason
@@ -431,18 +400,6 @@ class Slurm:
                     f"after scancel; check `squeue -j {self.job_id}`."
                 )
             time.sleep(1.0)
-
-    def sync(self) -> None:
-        pass
-
-    def sync_stacks(self, force: bool) -> None:
-        pass  # the run directory is on the shared filesystem
-
-    def fetch(self) -> None:
-        pass
-
-    def pids(self) -> list[int]:
-        return []  # the job's processes are Slurm's, on its nodes
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
         """The diagnosed error, or what Slurm says ended the job (time limit, node failure)."""
@@ -493,11 +450,6 @@ def _known(nodelist: str) -> bool:
     return nodelist not in ("", "(null)", "None")
 
 
-def port_for_job(job_id: str) -> int:
-    """The rendezvous port the batch script derives from its job id (as in the script)."""
-    return 20000 + int(re.sub(r"\D.*", "", job_id) or 0) % 20000
-
-
 def _exit_code(text: str) -> int | None:
     """Slurm's ``ExitCode=1:0`` (exit status : signal) as the exit status."""
     m = re.match(r"(\d+):(\d+)", text or "")
@@ -513,73 +465,26 @@ def _read_tail(path: Path, lines: int) -> str:
 
 # -- the batch script ------------------------------------------------------------------
 
+BATCH = """#!/bin/bash
+{header}
 
-def _batch_word(word: str) -> str:
-    """A word of the batch script: quoted, but the job's own variables expand."""
-    if re.search(r"\$(head_node|master_port|SLURM_\w+)", word):
-        return '"' + word + '"'
-    return shlex.quote(word)
-
-
-def _sbatch_header(
-    nnodes: int,
-    job_name: str,
-    time_limit: str,
-    batch_log: str | None,
-    partition: str | None,
-    account: str | None,
-    gpus_per_node: int,
-) -> str:
-    """The batch script's ``#SBATCH`` lines: one task (one torchrun) per node."""
-    options = [
-        f"--job-name={job_name}",
-        f"--nodes={nnodes}",
-        "--ntasks-per-node=1",
-        f"--time={time_limit}",
-        "--open-mode=append",  # a requeued job adds to its logs
-    ]
-    # The batch script's own output, which Slurm opens first (None: given to sbatch itself,
-    # as a #SBATCH line cannot hold a path with spaces).
-    options += [f"--output={batch_log}"] if batch_log else []
-    options += [f"--partition={partition}"] if partition else []
-    options += [f"--account={account}"] if account else []
-    options += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
-    return "\n".join(f"#SBATCH {o}" for o in options)
-
-
-def _marker_step(marker_path: Path, marker: str) -> str:
-    """The batch script's check that every node sees the submit host's marker (exit 97)."""
-    q = shlex.quote
-    return f"""
-# The run directory must be on a filesystem every node shares: each node checks that it
-# sees the marker the submit host wrote there, else the job ends at once (exit 97).
-srun --ntasks-per-node=1 bash -c 'grep -qx "$1" "$0" 2>/dev/null || {{ echo "ddpnb: node \
-$SLURMD_NODENAME cannot see $0, the marker written at submission: the run directory must \
-be on a filesystem shared by the submit host and every node." >&2; exit 97; }}' \\
-    {q(str(marker_path))} {q(marker)}
-"""
-
-
-def _network_step(python: str | None, port: str) -> str:
-    """The batch script's first step: ddpnb_meshcheck.py on every node (exit 96 on problems)."""
-    q = shlex.quote
-    checker = q(python or "python3")
-    return f"""# The network, proven before training: every node reaches the first node's port and
-# every peer, on its interface toward the first node (written to logs/net-env-N.sh for
-# torchrun below). A node that cannot stops the job at once (exit 96), named in this log.
-srun --ntasks-per-node=1 bash -c '"$@" --node-rank "$SLURM_NODEID" \\
-    --env-file "$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh" || exit 96' bash \\
-    {checker} "$DDPNB_RUN_DIR/ddpnb_meshcheck.py" --nnodes "$SLURM_NNODES" \\
-    --master-addr "$head_node" --master-port "{port}" --timeout 20 --backend gloo
-
-"""
-
-
-def _srun_torchrun(run_dir: Path, rdzv_timeout: int, launcher: str, torchrun: str) -> str:
-    """The batch script's last step: one torchrun per node (srun), each naming its address."""
-    q = shlex.quote
-    return f"""export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
-export SLURM_STDOUTMODE={q(str(run_dir / "logs" / "node-%n.log"))}
+# One torchrun agent per node (ntasks-per-node=1); each starts {nproc} worker(s).
+# The first node of the allocation hosts the c10d rendezvous.
+{note}
+set -euo pipefail
+{marker}
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# The address Slurm itself uses for that node (a node name need not resolve everywhere).
+head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+head_node=${{head_addr:-$head_node}}
+{port_line}mkdir -p {run_dir}/logs
+export {run_dir_env}={run_dir} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
+{exports}
+# srun starts one task per node. Its options, set as its environment variables: stop
+# every node when one fails; each node's output to logs/node-N.log (N: the node's index
+# in the job), appended to after a requeue.
+{network}export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
+export SLURM_STDOUTMODE={node_log}
 # After a torchrun restart the agents meet in a new rendezvous round. Each round's workers
 # get a store of their own (hosted by rank 0) rather than the agents' shared one, whose
 # keys outlive the round: under c10d each agent counts only its own restarts, so a
@@ -596,6 +501,87 @@ net="$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$n
 exec "$@"' bash {launcher} \\
     {torchrun}
 """
+# Submitted by ddpnb: every node checks it sees the submit host's marker (exit 97), then
+# ddpnb_meshcheck.py proves the network on every node (exit 96), before torchrun starts.
+SUBMITTED = """
+# The run directory must be on a filesystem every node shares: each node checks that it
+# sees the marker the submit host wrote there, else the job ends at once (exit 97).
+srun --ntasks-per-node=1 bash -c 'grep -qx "$1" "$0" 2>/dev/null || {{ echo "ddpnb: node \
+$SLURMD_NODENAME cannot see $0, the marker written at submission: the run directory must \
+be on a filesystem shared by the submit host and every node." >&2; exit 97; }}' \\
+    {marker_path} {marker}
+"""
+NETWORK = """# The network, proven before training: every node reaches the first node's port and
+# every peer, on its interface toward the first node (written to logs/net-env-N.sh for
+# torchrun below). A node that cannot stops the job at once (exit 96), named in this log.
+srun --ntasks-per-node=1 bash -c '"$@" --node-rank "$SLURM_NODEID" \\
+    --env-file "$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh" || exit 96' bash \\
+    {python} "$DDPNB_RUN_DIR/ddpnb_meshcheck.py" --nnodes "$SLURM_NNODES" \\
+    --master-addr "$head_node" --master-port "{port}" --timeout 20 --backend gloo
+
+"""
+
+
+def _batch_word(word: str) -> str:
+    """A word of the batch script: quoted, but the job's own variables expand."""
+    if re.search(r"\$(head_node|master_port|SLURM_\w+)", word):
+        return '"' + word + '"'
+    return shlex.quote(word)
+
+
+def batch_script(
+    script: Script,
+    run_dir: Path,
+    topology: Topology,
+    sbatch: Sequence[str],
+    python: str | None = None,
+    env: Mapping[str, str] | None = None,
+    marker: str | None = None,
+) -> str:
+    """The sbatch script: ``sbatch`` options (``#SBATCH`` lines), then one torchrun per node.
+
+    Without ``topology.master_port`` the port follows from the job id, so two jobs whose
+    first node is the same do not collide. ``marker``: the token ddpnb wrote at submission
+    (then the marker and network steps run first).
+    """
+    q = shlex.quote
+    port = str(topology.master_port or "$master_port")
+    args = topology.command(
+        [], None, script, str(run_dir), log_dir="", rendezvous="c10d", rdzv_id="$SLURM_JOB_ID",
+        endpoint=f"$head_node:{port}",
+    )  # fmt: skip
+    steps = {"marker": "", "network": ""}
+    if marker:
+        steps["marker"] = SUBMITTED.format(
+            marker_path=q(str(run_dir / MARKER_NAME)), marker=q(marker)
+        )
+        steps["network"] = NETWORK.format(python=q(python or "python3"), port=port)
+    port_line = "master_port=$((20000 + SLURM_JOB_ID % 20000))\n"
+    return BATCH.format(
+        header="\n".join(f"#SBATCH {o}" for o in sbatch),
+        nproc=topology.nproc_per_node,
+        note=FINGERPRINT_NOTE,
+        port_line="" if topology.master_port else port_line,
+        run_dir=q(str(run_dir)),
+        run_dir_env=RUN_DIR_ENV,
+        exports="".join(f"export {k}={q(v)}\n" for k, v in (env or {}).items()),
+        node_log=q(str(run_dir / "logs" / "node-%n.log")),
+        rdzv_timeout=topology.rdzv_timeout,
+        launcher=f"{q(python)} -m torch.distributed.run" if python else "torchrun",
+        torchrun=" \\\n    ".join(_batch_word(a) for a in args),
+        **steps,
+    )
+
+
+def sbatch_options(
+    nnodes: int, job_name: str, time: str, gpus_per_node: int | None, **named: str | None
+) -> list[str]:
+    """sbatch's options for one torchrun per node; ``named`` (``partition``, ``account``,
+    ``output``) when given. ``--open-mode=append``: a requeued job adds to its logs."""
+    options = [f"--job-name={job_name}", f"--nodes={nnodes}", "--ntasks-per-node=1"]
+    options += [f"--time={time}", "--open-mode=append"]
+    options += [f"--{k}={v}" for k, v in named.items() if v]
+    return options + ([f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else [])
 
 
 def slurm_script(
@@ -613,81 +599,25 @@ def slurm_script(
     account: str | None = None,
     python: str | None = None,
     max_restarts: int = 0,
-    rdzv_timeout: int = 300,
-    marker: str | None = None,
-    network_check: bool = False,
-    batch_log: str | None = "%x-%j.out",
-    env: Mapping[str, str] | None = None,
+    rdzv_timeout: int = SLURM_RDZV_TIMEOUT,
 ) -> str:
-    """An sbatch script that runs the worker with one torchrun per node (c10d rendezvous).
+    """An sbatch script that runs ``what`` with one torchrun per node (c10d rendezvous).
 
-    Writes it to ``path`` when given. Submit with ``sbatch train.sbatch`` (or let
-    :func:`ddpnb.submit_slurm` do it). ``master_port=None`` derives the rendezvous
-    port from the job id, so two jobs sharing a first node do not collide. ``python``
-    runs torchrun as ``python -m torch.distributed.run`` (default: ``torchrun`` on
-    PATH). ``marker``: a token the run directory's ``.ddpnb-submit-marker`` must hold
-    on every node, else the job exits at once with code 97 (no shared filesystem).
-    Each node's output goes to ``run_dir/logs/node-N.log``, lines prefixed by rank;
-    the script's own to ``batch_log`` (in the submit directory unless absolute; its
-    folder must exist before the job starts). ``env`` is exported to every node.
-    ``network_check``: the job's first step runs ``ddpnb_meshcheck.py`` (which must be in
-    ``run_dir``) on every node: each reaches the first node's rendezvous port and every
-    peer, or the job stops at once (exit 96) with the problems named in the batch log;
-    each node's interface toward the first node becomes its ``GLOO_SOCKET_IFNAME`` (and
-    NCCL's) unless set.
+    Writes it to ``path`` when given; submit it with ``sbatch`` (:func:`submit_slurm` does
+    it all). ``master_port=None``: a port from the job id. ``python`` runs torchrun as
+    ``python -m torch.distributed.run`` (default: ``torchrun`` on PATH). Each node's output
+    goes to ``run_dir/logs/node-N.log``, the script's own to ``%x-%j.out`` in the submit
+    directory.
 
-    Example
-    -------
     >>> "torchrun" in slurm_script(TrainConfig(), "/shared/run", nnodes=4)
     True
     """
     script = what if isinstance(what, Script) else worker_script(as_config(what))
-    # The head node's address is known only inside the allocation: a placeholder here.
-    topology = Topology(
-        nnodes, nproc_per_node, "$head_node", master_port or 1, rdzv_timeout, max_restarts
-    )
-    run_dir = Path(run_dir)
-    q = shlex.quote
-    header = _sbatch_header(
-        topology.nnodes, job_name, time_limit, batch_log, partition, account, gpus_per_node
-    )
-    launcher = f"{q(python)} -m torch.distributed.run" if python else "torchrun"
-    # None: a port from the job id, so two jobs whose first node is the same do not collide.
-    port = str(master_port) if master_port else "$master_port"
-    port_line = "" if master_port else "master_port=$((20000 + SLURM_JOB_ID % 20000))\n"
-    check = _marker_step(run_dir / MARKER_NAME, marker) if marker else ""
-    args = topology.command(
-        [],
-        None,
-        script,
-        str(run_dir),
-        log_dir="",
-        rendezvous="c10d",
-        rdzv_id="$SLURM_JOB_ID",
-        port=port,
-    )
-    torchrun = " \\\n    ".join(_batch_word(a) for a in args)
-    exports = "".join(f"export {k}={q(v)}\n" for k, v in (env or {}).items())
-    network = _network_step(python, port) if network_check else ""
-    text = f"""#!/bin/bash
-{header}
-
-# One torchrun agent per node (ntasks-per-node=1); each starts {topology.nproc_per_node} worker(s).
-# The first node of the allocation hosts the c10d rendezvous.
-{FINGERPRINT_NOTE}
-set -euo pipefail
-{check}
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-# The address Slurm itself uses for that node (a node name need not resolve everywhere).
-head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
-head_node=${{head_addr:-$head_node}}
-{port_line}mkdir -p {q(str(run_dir))}/logs
-export {RUN_DIR_ENV}={q(str(run_dir))} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
-{exports}
-# srun starts one task per node. Its options, set as its environment variables: stop
-# every node when one fails; each node's output to logs/node-N.log (N: the node's index
-# in the job), appended to after a requeue.
-{network}{_srun_torchrun(run_dir, topology.rdzv_timeout, launcher, torchrun)}"""
+    # The first node, and without master_port the port, are the job's: shell variables.
+    topology = Topology(nnodes, nproc_per_node, None, master_port, rdzv_timeout, max_restarts)
+    named = {"output": "%x-%j.out", "partition": partition, "account": account}
+    sbatch = sbatch_options(nnodes, job_name, time_limit, gpus_per_node, **named)
+    text = batch_script(script, Path(run_dir), topology, sbatch, python)
     if path is not None:
         Path(path).write_text(text)
     return text
@@ -744,7 +674,8 @@ def submit_slurm(
         isinstance(a, str) for a in sbatch_args
     ):
         raise ConfigError("sbatch_args must be a list of strings, e.g. ['--qos=short'].")
-    backend = Slurm(
+    scheduler = Slurm(
+        Topology(nnodes, nproc_per_node, None, None, rdzv_timeout, max_restarts),
         _slurm_env({"PYTHONUNBUFFERED": "1", "DDPNB_LAUNCHED": "1"}),
         gpus_per_node=gpus_per_node,
         partition=partition,
@@ -753,45 +684,9 @@ def submit_slurm(
         sbatch_args=list(sbatch_args),
         python=python or sys.executable,
     )
-    # The first node and the port are the job's, known once it runs: placeholders here.
-    topology = Topology(nnodes, nproc_per_node, FIRST_NODE, 1, rdzv_timeout, max_restarts)
-    plan = Plan(
-        what,
-        topology,
-        progress=progress,
-        env=env,
-        resume=resume,
-        overwrite=overwrite,
-        hang_timeout=hang_timeout,
-        on_hang=on_hang,
-    )
-    return run(plan, Path(run_dir).resolve(), backend, wait=wait)
-
-
-def _job(backend: Slurm, script, config, record: dict, follow: dict) -> Job:
-    """The Job that follows ``backend``'s job, as ``record`` (``slurm_job.json``) describes it."""
-    job_id = record["job_id"]
-    topology = Topology(  # what the job was submitted with (older records: the defaults)
-        record["nnodes"],
-        record["nproc_per_node"],
-        FIRST_NODE,
-        port_for_job(job_id),
-        record.get("rdzv_timeout", SLURM_RDZV_TIMEOUT),
-        record.get("max_restarts", 0),
-    )
-    return Job(
-        backend.run_dir,
-        script,
-        config,
-        topology,
-        backend,
-        **follow,
-        started_at=record.get("submitted_at"),
-    )
-
-
-def _time_now() -> float:
-    return time.time()
+    options = {"progress": progress, "env": env, "resume": resume, "overwrite": overwrite}
+    options |= {"hang_timeout": hang_timeout, "on_hang": on_hang}
+    return run(what, Path(run_dir).resolve(), scheduler, wait=wait, **options)
 
 
 def _submit(argv: list[str], run_dir: Path, env: dict[str, str]) -> str:
@@ -852,6 +747,11 @@ def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto"
         "hang_timeout": record.get("hang_timeout", HANG_TIMEOUT),
         "on_hang": record.get("on_hang", "stop"),
     }
-    backend = Slurm(_slurm_env(extra)).follow(run_dir, record["job_id"], record["nnodes"])
-    job = _job(backend, script, config, record, follow)
+    topology = Topology(  # what the job was submitted with (older records: the defaults)
+        record["nnodes"], record["nproc_per_node"], None, None,
+        record.get("rdzv_timeout", SLURM_RDZV_TIMEOUT), record.get("max_restarts", 0),
+    )  # fmt: skip
+    scheduler = Slurm(topology, _slurm_env(extra), run_dir, record["job_id"])
+    started = record.get("submitted_at")
+    job = Job(run_dir, script, config, topology, scheduler, **follow, started_at=started)
     return job.wait() if wait else job

@@ -1,8 +1,8 @@
-"""The shape of a run: how many nodes and processes, where they meet, and torchrun's options.
+"""The shape of a run: how many nodes and processes, where they meet, torchrun's options.
 
-One value instead of six keywords passed around together. :meth:`Topology.command` is
-the one place a node's torchrun command line is built: the simulated nodes, the SSH
-hosts, the sbatch script and the printed per-node and ssh lines all take it from here.
+:meth:`Topology.command` is the one place a node's torchrun command line is built: the
+simulated nodes, the SSH hosts, the sbatch script and the printed per-node and ssh lines
+all take it from here.
 """
 
 from __future__ import annotations
@@ -19,29 +19,23 @@ from .errors import ConfigError
 class Topology:
     """``nnodes`` x ``nproc_per_node`` processes meeting at ``master_addr:master_port``.
 
-    Example
-    -------
+    Both are None for a Slurm job: the cluster names the first node, and the port follows
+    from the job id, when the job runs.
+
     >>> Topology(nnodes=2, nproc_per_node=2, master_addr="127.0.0.1", master_port=29500).world_size
     4
     """
 
     nnodes: int
     nproc_per_node: int
-    master_addr: str
-    master_port: int
+    master_addr: str | None
+    master_port: int | None
     rdzv_timeout: int = 60
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
-        check_int("nnodes", self.nnodes)
-        check_int("nproc_per_node", self.nproc_per_node)
-        check_int("rdzv_timeout", self.rdzv_timeout)
-        check_int("max_restarts", self.max_restarts, low=0)
-        check_int("master_port", self.master_port, low=1, high=65535)
-        if not isinstance(self.master_addr, str) or not self.master_addr:
-            raise ConfigError(
-                f"master_addr must be a host name or address, got {self.master_addr!r}."
-            )
+        check_shape(self.nnodes, self.nproc_per_node, self.rdzv_timeout, self.max_restarts)
+        check_meeting_point(self.master_addr, self.master_port)
 
     @property
     def world_size(self) -> int:
@@ -50,9 +44,8 @@ class Topology:
     def command(
         self, launcher: Sequence[str], node_rank: int | None, script: Any, run_dir: str, **options
     ) -> list[str]:
-        """One node's whole command line: ``launcher`` (``["torchrun"]``, or an interpreter
-        running torchrun), torchrun's options (:meth:`torchrun_args` with ``options``), then
-        the script (a :class:`ddpnb.Script` in ``run_dir``) and its arguments.
+        """One node's command line: ``launcher`` (``["torchrun"]``, or an interpreter running
+        torchrun), torchrun's options (:meth:`torchrun_args`), the script and its arguments.
 
         >>> from ddpnb.script import Script
         >>> Topology(1, 1, "127.0.0.1", 29500).command(["torchrun"], 0, Script("t.py"), "/r")[:2]
@@ -68,27 +61,27 @@ class Topology:
         rendezvous: str = "static",
         rdzv_id: str = "",
         local_addr: str | None = None,
-        port: str | None = None,
+        endpoint: str | None = None,
     ) -> list[str]:
         """torchrun's options for one node (node 0 hosts the rendezvous).
 
-        ``static``: each node gets its ``--node_rank``. ``c10d``: an elastic rendezvous
-        at ``master_addr:master_port`` named ``rdzv_id``; ``local_addr`` names this
-        node's own address, and ``node_rank`` 0 says it hosts the store (``is_host=1``).
-        A ``node_rank`` of None leaves both to the environment (``PET_RDZV_CONF``,
-        ``PET_LOCAL_ADDR``: the sbatch script sets them per node). ``port`` replaces
-        the port's text (a shell variable in a batch script).
+        ``static``: each node gets its ``--node_rank``. ``c10d``: an elastic rendezvous named
+        ``rdzv_id``; ``local_addr`` names this node's address and ``node_rank`` 0 hosts the
+        store (``is_host=1``). A ``node_rank`` of None leaves both to the environment
+        (``PET_RDZV_CONF``, ``PET_LOCAL_ADDR``: the sbatch script sets them per node).
+        ``endpoint``: ``host:port`` as the batch script writes it (shell variables).
 
         >>> Topology(1, 1, "127.0.0.1", 29500).torchrun_args(0)[:2]
         ['--nnodes=1', '--node_rank=0']
         """
-        port = port or str(self.master_port)
+        endpoint = endpoint or f"{self.master_addr}:{self.master_port}"
         if rendezvous == "static":
+            addr, port = endpoint.rsplit(":", 1)
             args = [
                 f"--nnodes={self.nnodes}",
                 f"--node_rank={node_rank}",
                 f"--nproc_per_node={self.nproc_per_node}",
-                f"--master_addr={self.master_addr}",
+                f"--master_addr={addr}",
                 f"--master_port={port}",
                 f"--max_restarts={self.max_restarts}",
                 f"--rdzv_conf=timeout={self.rdzv_timeout}",
@@ -98,15 +91,14 @@ class Topology:
                 f"--nnodes={self.nnodes}",
                 f"--nproc_per_node={self.nproc_per_node}",
                 "--rdzv_backend=c10d",
-                f"--rdzv_endpoint={self.master_addr}:{port}",
+                f"--rdzv_endpoint={endpoint}",
                 f"--rdzv_id={rdzv_id}",
             ]
             if node_rank is not None:
                 args.append(
                     f"--rdzv_conf=join_timeout={self.rdzv_timeout},is_host={int(node_rank == 0)}"
                 )
-            if local_addr:
-                args.append(f"--local_addr={local_addr}")
+            args += [f"--local_addr={local_addr}"] if local_addr else []
             args.append(f"--max_restarts={self.max_restarts}")
         else:
             raise ConfigError("rendezvous must be 'static' or 'c10d'.")
@@ -114,3 +106,18 @@ class Topology:
             args += [f"--log_dir={log_dir}"] if log_dir else []
             args += ["--tee=3", "--log_line_prefix_template=[rank${rank}] "]
         return args
+
+
+def check_shape(nnodes: int, nproc_per_node: int, rdzv_timeout: int, max_restarts: int) -> None:
+    check_int("nnodes", nnodes)
+    check_int("nproc_per_node", nproc_per_node)
+    check_int("rdzv_timeout", rdzv_timeout)
+    check_int("max_restarts", max_restarts, low=0)
+
+
+def check_meeting_point(master_addr: str | None, master_port: int | None) -> None:
+    """None for either: not known yet (the preflight or the cluster names it)."""
+    if master_port is not None:
+        check_int("master_port", master_port, low=1, high=65535)
+    if master_addr is not None and not (isinstance(master_addr, str) and master_addr):
+        raise ConfigError(f"master_addr must be a host name or address, got {master_addr!r}.")

@@ -118,3 +118,11 @@ def test_a_syntax_error_is_named_before_anything_starts(tmp_path, broken):
     with pytest.raises(ConfigError, match=rf"{name}, line 2: SyntaxError: '\[' was never closed"):
         ddpnb.launch(script, tmp_path / "run", nnodes=2, progress="none")
     assert not (tmp_path / "run").exists()  # nothing written, nothing started
+
+
+def test_train_single_names_its_new_spelling_and_still_checks(tmp_path):
+    cfg = ddpnb.TrainConfig(data_dir=str(tmp_path / "no-such-data"))
+    with pytest.warns(FutureWarning, match=r"ddpnb\.launch\(cfg, run_dir, nnodes=1\)"):
+        with pytest.raises(DatasetError):
+            ddpnb.train_single(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -19,7 +19,7 @@ from ddpnb import cli
 from ddpnb.agent import descendants
 from ddpnb.config import TrainConfig
 from ddpnb.errors import ConfigError
-from ddpnb.job import _alive
+from ddpnb.pipeline import alive
 
 
 def _train_action(name: str):
@@ -173,7 +173,7 @@ def test_a_signal_stops_every_process_and_the_run_resumes(tiny_data, tmp_path, s
     else:
         assert cli_proc.returncode == 128 + sig, err
         assert f"stopped by {signal.Signals(sig).name}" in err and "--resume" in err
-    assert _wait_for(lambda: not any(_alive(p) for p in pids), 10), [p for p in pids if _alive(p)]
+    assert _wait_for(lambda: not any(alive(p) for p in pids), 10), [p for p in pids if alive(p)]
     if sig != signal.SIGTERM:
         return  # resuming is the same for either signal; once is enough for the suite
     # The same command resumes it (epochs may change on resume).

@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_config, tmpfs
 
 import ddpnb
-from ddpnb.job import _alive
+from ddpnb.pipeline import alive
 from ddpnb.preflight import free_port
 
 pytestmark = pytest.mark.slow
@@ -136,9 +136,9 @@ def test_a_killed_local_agent_is_named(tiny_data, tmp_path):
     assert time.time() - killed_at < cfg.timeout_seconds + 30
     assert e.value.node_rank == 1 and "resume=True" in str(e.value)
     deadline = time.time() + 10
-    while any(_alive(p) for p in pids) and time.time() < deadline:
+    while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.2)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
 
 
 def _processes_of(run_dir: Path) -> list[int]:
@@ -149,7 +149,7 @@ def _processes_of(run_dir: Path) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if str(run_dir) in cmdline and _alive(int(pid)):
+        if str(run_dir) in cmdline and alive(int(pid)):
             out.append(int(pid))
     return out
 
@@ -251,4 +251,4 @@ def test_simulated_nodes_listen_on_loopback_only(tiny_data, tmp_path, master_add
     assert f"127.0.0.1:{job.master_port}" in addresses  # the rendezvous store
     assert len(addresses) >= 3  # and each worker's gloo listener
     assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
-    assert not _alive(job.procs[0].pid)
+    assert not alive(job.procs[0].pid)

@@ -15,15 +15,15 @@ from conftest import tiny_config
 
 import ddpnb
 from ddpnb.errors import ConfigError, DatasetError, PortInUseError, RendezvousTimeout, RunDirError
-from ddpnb.job import _alive
+from ddpnb.pipeline import alive
 from ddpnb.preflight import check_port_free
 
 
 def _no_process_left(pids):
     deadline = time.time() + 2
-    while time.time() < deadline and any(_alive(p) for p in pids):
+    while time.time() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 # -- validation: nothing starts, nothing is written ---------------------------------------

@@ -21,7 +21,7 @@ import pytest
 from conftest import TINY
 
 import ddpnb
-from ddpnb.job import _alive
+from ddpnb.pipeline import alive
 
 LIFETIME_LIMIT = 10.0
 
@@ -44,9 +44,9 @@ def _launch_code(data: Path, run: Path) -> str:
 
 def _gone_within(pids: list[int], seconds: float) -> list[int]:
     deadline = time.time() + seconds
-    while time.time() < deadline and any(_alive(p) for p in pids):
+    while time.time() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 def _resume_completes(data: Path, run: Path) -> None:

@@ -6,7 +6,8 @@ import pytest
 from test_plot import _fake_run
 
 import ddpnb
-from ddpnb.job import Job, Processes
+from ddpnb.job import Job
+from ddpnb.pipeline import Processes
 from ddpnb.progress import TextProgress, WidgetProgress, is_jupyter_server
 from ddpnb.topology import Topology
 

@@ -91,7 +91,7 @@ def test_no_shared_filesystem_copies_out_and_brings_back(hosts, tiny_data, tmp_p
     try:
         cfg = tiny_config(tiny_data, threads=1)
         job = _launch(hosts, cfg, run, hosts.private)
-        assert job.backend.shared == [False, False]
+        assert job.scheduler.shared == [False, False]
         metrics = ddpnb.load_metrics(run)
         assert [r["epoch"] for r in metrics.epochs] == [1, 2]
         assert sorted(metrics.ranks) == [0, 1]  # both hosts' rank records came back
@@ -367,7 +367,7 @@ def test_your_own_script_on_hosts_without_the_shared_filesystem(hosts, tmp_path)
         job = ddpnb.launch(
             script, run, hosts=hosts.private, ssh_config=hosts.ssh_config, progress="none"
         )
-        assert job.backend.shared == [False, False]
+        assert job.scheduler.shared == [False, False]
         assert (run / "model.pt").is_file()  # written on node 0's host, brought back
         assert [r["epoch"] for r in job.metrics.epochs] == [1, 2]
         assert "args ['2', 'x y']" in (run / "logs" / "node-1.log").read_text()
@@ -388,7 +388,7 @@ def test_a_project_with_folders_on_hosts_without_the_shared_filesystem(hosts, mo
         job = ddpnb.launch(
             script, run, hosts=hosts.private, ssh_config=hosts.ssh_config, progress="none"
         )
-        assert job.backend.shared == [False, False]
+        assert job.scheduler.shared == [False, False]
         assert (run / "out" / "model.pt").is_file()  # written on node 0's host, brought back
         assert "rank 1 epoch 2 loss" in (run / "logs" / "node-1.log").read_text()
         listing = hosts.in_private(1, ["find", str(run), "-type", "f"])  # node 1's own copy
@@ -415,7 +415,7 @@ def test_a_hang_on_hosts_without_the_shared_filesystem_is_named_by_host(hosts, t
         wait=False,
     )
     try:
-        assert job.backend.shared == [False, False]
+        assert job.scheduler.shared == [False, False]
         wait_for_hang(job, 60)
         assert job.waiting is not None and job.waiting.kind == "hang", job.waiting
         stacks = job.stacks()

@@ -24,7 +24,7 @@ from ddpnb import cli
 from ddpnb.agent import descendants
 from ddpnb.demo import NOTEBOOKS
 from ddpnb.errors import ConfigError
-from ddpnb.job import _alive
+from ddpnb.pipeline import alive
 from ddpnb.sweep import parse_axis, point_names, resolve_type
 
 NB02 = NOTEBOOKS / "02_single_node_baseline.ipynb"
@@ -243,9 +243,9 @@ def _group_members(pgid: int) -> list[int]:
 
 def _gone_within(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 def _cmdlines(pids: list[int]) -> str:

@@ -86,7 +86,7 @@ def test_plain_python_run_is_world_size_one(tiny_data, tmp_path):
 
 def test_accuracy_rises_on_digits(digits_data, tmp_path):
     cfg = ddpnb.TrainConfig(data_dir=str(digits_data), image_size=16, epochs=3, batch_size=64)
-    job = ddpnb.train_single(cfg, tmp_path / "run", progress="none")
+    job = ddpnb.launch(cfg, tmp_path / "run", nnodes=1, progress="none")
     accs = job.metrics.series("val_acc")
     assert accs[-1] > 0.8 and accs[-1] > accs[0]
     assert job.metrics.series("train_loss")[-1] < job.metrics.series("train_loss")[0]

@@ -20,7 +20,7 @@ from pathlib import Path
 import nbformat
 
 from ddpnb.agent import descendants
-from ddpnb.job import _alive as alive
+from ddpnb.pipeline import alive
 from ddpnb.preflight import free_port
 
 REPO = Path(__file__).resolve().parents[2]
