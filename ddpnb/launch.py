@@ -1,8 +1,8 @@
 """``launch``: a script or the worker, on simulated nodes or SSH hosts.
 
 Picks the scheduler from the arguments (``hosts``: :class:`ddpnb.remote.Hosts`; else
-:class:`ddpnb.local.Local`) and hands it to the one pipeline (:func:`ddpnb.pipeline.run`). A Slurm job goes through the same pipeline from
-:func:`ddpnb.submit_slurm`.
+:class:`ddpnb.local.Local`) and hands it to the one pipeline (:func:`ddpnb.pipeline.run`),
+as :func:`ddpnb.submit_slurm` does with :class:`ddpnb.slurm.Slurm`.
 """
 
 from __future__ import annotations

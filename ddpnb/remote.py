@@ -32,7 +32,7 @@ from .diagnosis import log_tail, resume_hint
 from .errors import ConfigError, HostError, NodeLost, RunFailed
 from .hang import WATCH_DIR
 from .log import logger
-from .network import check_network
+from .network import NetworkReport, check_network
 from .pipeline import AGENT, Processes
 from .preflight import as_config, check_run
 from .report import Table
@@ -125,38 +125,20 @@ class Hosts(Processes):
         """Probe every host (login, interpreter, torch, data, node 0's port), then prove the
         network; nothing starts. Node 0's address: the user's, else the first host's."""
         master_addr, master_port, rdzv_timeout, max_restarts = self.shape
-        config, self.run_dir = plan.config, run_dir
-        probes = _preflight(
-            self.ssh,
-            self.parsed,
-            self.python,
-            config.data_dir if config is not None else None,
-            run_dir,
-            self.nproc_per_node,
-            master_port,
-            gpus=config is not None and config.backend == "nccl",
-        )
+        probes, master_addr, self.network = _survey(
+            self.ssh, self.parsed, self.python, plan.config, run_dir, self.nproc_per_node,
+            master_addr, master_port, {**forwarded_env(os.environ), **plan.env}, probe_port=True,
+        )  # fmt: skip
+        self.run_dir = run_dir
         self.shared = [p.report["shared"] for p in probes]
         self.cpus = [p.report["cpus"] for p in probes]
         self.dirs = [str(run_dir if s else self.remote_run_dir or run_dir) for s in self.shared]
         _check_remote_dirs(self.ssh, self.parsed, self.python, self.dirs, self.shared, plan)
-        topology = Topology(
-            self.nnodes, self.nproc_per_node, master_addr or self.ssh.hostname(self.parsed[0]),
-            probes[0].report["port"], rdzv_timeout, max_restarts,
-        )  # fmt: skip
-        # The network, proven: every host reaches node 0 and every peer; each gets its
-        # interface toward node 0 unless the user set one (a NetworkError names the rest).
-        self.network = check_network(
-            self.ssh,
-            self.parsed,
-            self.python,
-            master_addr=topology.master_addr,
-            master_port=topology.master_port,
-            backend=_ifname_backend(config),
-            user_env={**forwarded_env(os.environ), **plan.env},
-        )
         logger.info("network check:\n%s", self.network.table())
-        return topology
+        port = self.network.master_port
+        return Topology(
+            self.nnodes, self.nproc_per_node, master_addr, port, rdzv_timeout, max_restarts
+        )
 
     def start(self, plan, run_dir: Path, topology: Topology) -> None:
         todo = [n for n, s in enumerate(self.shared) if not s]
@@ -274,42 +256,38 @@ class Hosts(Processes):
         return error
 
 
-def _preflight(
-    ssh: Ssh,
-    hosts: list[Host],
-    python: str,
-    data_dir: str | None,
-    run_dir: Path,
-    nproc: int,
-    port: int | None,
-    gpus: bool = False,
-) -> list[Probe]:
-    """Probe every host; each report says if it sees run_dir (``shared``); node 0's has the port."""
+def _survey(
+    ssh: Ssh, hosts: list[Host], python: str, config, folder: Path, nproc: int,
+    master_addr: str | None, port: int | None, user_env: Mapping[str, str], probe_port: bool,
+) -> tuple[list[Probe], str, NetworkReport]:  # fmt: skip
+    """What ``launch(hosts=...)`` and :func:`check_hosts` ask before anything starts: every
+    host probed (each report says if it sees ``folder``: ``shared``), then the network proven
+    from node 0's address (``master_addr``, default the first host's) and port (``probe_port``:
+    a free one found on node 0 when ``port`` is None, else ``port`` checked free there)."""
+    data_dir = config.data_dir if config is not None else None
+    gpus = config is not None and config.backend == "nccl"
     token = secrets.token_hex(8)
     marker = f".ddpnb-shared-{token}"
-    (run_dir / marker).write_text(token)
+    (folder / marker).write_text(token)
     try:
-        probes = probe_all(
-            ssh,
-            hosts,
-            python,
-            data_dir=data_dir,
-            run_dir=str(run_dir),
-            marker=marker,
-            port=port or 0,
-            gpus=gpus,
-        )
+        asked = {"data_dir": data_dir, "run_dir": str(folder), "marker": marker, "gpus": gpus}
+        probes = probe_all(ssh, hosts, python, port=(port or 0) if probe_port else None, **asked)
     finally:
-        (run_dir / marker).unlink()
-    check_probes(probes, data_dir=data_dir, nproc_per_node=nproc, gpus=gpus, port=port)
+        (folder / marker).unlink()
+    asked_port = port if probe_port else None  # a given port must be free on node 0
+    check_probes(probes, data_dir=data_dir, nproc_per_node=nproc, gpus=gpus, port=asked_port)
+    port = probes[0].report["port"] if probe_port else port
     for p in probes:
         p.report["shared"] = p.report["marker"] == token
-    return probes
-
-
-def _ifname_backend(config) -> str:
-    """Which interface variables a run needs: gloo's only, or NCCL's too (GPUs, or unknown)."""
-    return "gloo" if config is not None and config.backend == "gloo" else "nccl"
+    master_addr = master_addr or ssh.hostname(hosts[0])
+    # The network, proven: every host reaches node 0 and every peer; each gets its
+    # interface toward node 0 unless the user set one (a NetworkError names the rest).
+    ifnames = "gloo" if config is not None and config.backend == "gloo" else "nccl"
+    network = check_network(
+        ssh, hosts, python, master_addr=master_addr, master_port=port, backend=ifnames,
+        user_env=user_env,
+    )  # fmt: skip
+    return probes, master_addr, network
 
 
 def check_hosts(
@@ -327,58 +305,36 @@ def check_hosts(
 
     Every host is asked (login, interpreter, torch, the dataset when ``config`` is the
     worker's TrainConfig; None for your own script), then the network is proven
-    (:func:`ddpnb.network.check_network`): ``master_addr`` (default: the first host's
-    address) from every host, node 0's port from every host, every pair on the ports
-    the collectives use, and each host's interface toward node 0. Raises
-    :class:`~ddpnb.errors.HostError` (or its :class:`~ddpnb.errors.NetworkError`)
-    naming every host or pair that cannot run the job, and the fix. With ``run_dir``
-    (an existing folder here) each row says whether that host sees it.
+    (:func:`ddpnb.network.check_network`). Raises :class:`~ddpnb.errors.HostError` (or its
+    :class:`~ddpnb.errors.NetworkError`) naming every host or pair that cannot run the job,
+    and the fix. With ``run_dir`` (an existing folder here) each row says if that host sees it.
 
-    Example
-    -------
     >>> print(check_hosts(None, ["gpu1", "gpu2"]))                  # doctest: +SKIP
     node  host  address   interface  reaches node 0  mesh  torch   ...
     """
     parsed = parse_hosts(hosts)
     ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
-    python = python or sys.executable
-    data_dir = None
     if config is not None:
         config = check_run(as_config(config), len(parsed) * nproc_per_node, here=False)
-        data_dir = config.data_dir
     folder = Path(run_dir) if run_dir is not None else None
     if folder is None or not folder.is_dir():
         folder = Path(tempfile.mkdtemp(prefix="ddpnb-check-"))  # no host sees a fresh folder here
-    gpus = config is not None and config.backend == "nccl"
     try:
-        probes = _preflight(ssh, parsed, python, data_dir, folder, nproc_per_node, None, gpus)
+        probes, _, network = _survey(
+            ssh, parsed, python or sys.executable, config, folder, nproc_per_node, master_addr,
+            master_port, forwarded_env(os.environ), probe_port=False,
+        )  # fmt: skip
     finally:
         if run_dir is None or folder != Path(run_dir):
             folder.rmdir()
-    network = check_network(
-        ssh,
-        parsed,
-        python,
-        master_addr=master_addr or ssh.hostname(parsed[0]),
-        master_port=master_port,
-        backend=_ifname_backend(config),
-        user_env=forwarded_env(os.environ),
-    )
     rows = Table()
     for n, (p, net) in enumerate(zip(probes, network.rows)):
-        row = {
-            "node": n,
-            "host": p.host.spec,
-            "address": net.address,
-            "interface": net.interface,
-            "reaches node 0": net.reaches_node0,
-            "mesh": net.mesh,
-            "versions": net.versions,
-            "cpus": p.report.get("cpus"),
-        }
-        if gpus:
+        row = {"node": n, "host": p.host.spec, "address": net.address, "interface": net.interface}
+        row |= {"reaches node 0": net.reaches_node0, "mesh": net.mesh, "versions": net.versions}
+        row["cpus"] = p.report.get("cpus")
+        if config is not None and config.backend == "nccl":
             row["gpus"] = p.report.get("gpus")
-        if data_dir:
+        if config is not None:
             row["dataset"] = (p.report["fingerprint"] or "")[:12]
         if run_dir is not None:
             row["sees run_dir"] = p.report["shared"]

@@ -312,61 +312,39 @@ def check_probes(
     reports = [(p.host, p.report) for p in probes if p.report]
     needed = ("torch", "torchvision") if data_dir is not None else ("torch",)
     for host, r in reports:
-        missing = [pkg for pkg in needed if not r[pkg]]
+        missing = " or ".join(pkg for pkg in needed if not r[pkg])
         if missing:
-            problems.append(
-                (
-                    host,
-                    f"has no {' or '.join(missing)} for {r['python']}: pip install "
-                    f"{' '.join(needed)} there (or pass python= naming an interpreter that has it)",
-                )
-            )
+            why = f"has no {missing} for {r['python']}: pip install {' '.join(needed)} there (or "
+            problems.append((host, why + "pass python= naming an interpreter that has it)"))
         elif data_dir is not None and r["fingerprint"] is None:
-            problems.append(
-                (
-                    host,
-                    f"has no dataset at {data_dir} (train/ and val/): copy it there with rsync -a",
-                )
-            )
+            why = f"has no dataset at {data_dir} (train/ and val/): copy it there with rsync -a"
+            problems.append((host, why))
         elif gpus and r.get("gpus", 0) < nproc_per_node:
-            problems.append(
-                (host, f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={nproc_per_node}")
-            )
+            why = f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={nproc_per_node}"
+            problems.append((host, why))
     if problems:
         raise HostError(
             _lines("Preflight failed; nothing was started", problems), host=problems[0][0].spec
         )
-    base = {k: (reports[0][1][k] or "").split("+")[0] for k in needed}
-    odd = [h for h, r in reports if {k: (r[k] or "").split("+")[0] for k in base} != base]
+
+    def release(r: dict) -> dict:
+        return {k: (r[k] or "").split("+")[0] for k in needed}
+
+    odd = [(h, r) for h, r in reports if release(r) != release(reports[0][1])]
     if odd:
-        raise HostError(
-            _lines(
-                f"The hosts run different versions of torch/torchvision (node 0: {base}); "
-                "install the same on every host",
-                [
-                    (h, f"has torch {r['torch']}, torchvision {r['torchvision']}")
-                    for h, r in reports
-                    if h in odd
-                ],
-            ),
-            host=odd[0].spec,
-        )
+        base = release(reports[0][1])
+        head = f"The hosts run different versions of torch/torchvision (node 0: {base}); "
+        found = [(h, f"has torch {r['torch']}, torchvision {r['torchvision']}") for h, r in odd]
+        raise HostError(_lines(head + "install the same on every host", found), host=odd[0][0].spec)
     first = reports[0][1]["fingerprint"]
-    differ = [h for h, r in reports if r["fingerprint"] != first] if data_dir else []
+    differ = [(h, r) for h, r in reports if r["fingerprint"] != first] if data_dir else []
     if differ:
-        raise HostError(
-            _lines(
-                f"The dataset at {data_dir} differs from node 0's ({reports[0][0].spec}, "
-                f"fingerprint {first[:12]}). Copy node 0's data to them, e.g. "
-                f"rsync -a {data_dir}/ HOST:{data_dir}/",
-                [
-                    (h, f"holds fingerprint {r['fingerprint'][:12]}")
-                    for h, r in reports
-                    if h in differ
-                ],
-            ),
-            host=differ[0].spec,
+        head = (
+            f"The dataset at {data_dir} differs from node 0's ({reports[0][0].spec}, fingerprint "
+            f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
         )
+        found = [(h, f"holds fingerprint {r['fingerprint'][:12]}") for h, r in differ]
+        raise HostError(_lines(head, found), host=differ[0][0].spec)
     if port is not None and reports[0][1].get("port") is None:
         raise HostError(
             f"Port {port} is already in use on node 0 ({reports[0][0].spec}). Pass another "

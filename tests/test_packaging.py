@@ -85,3 +85,25 @@ def test_no_import_cycles_in_the_package():
 
     for module in graph:
         reach(module, [module])
+
+
+def test_the_pipeline_sits_below_its_schedulers():
+    """pipeline.py, job.py and what they import reach no scheduler: a new one is one module."""
+    import ast
+
+    graph = {}
+    for f in (Path(__file__).parents[1] / "ddpnb").glob("*.py"):
+        deps = {
+            node.module.split(".")[0]
+            for node in ast.walk(ast.parse(f.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        }
+        graph[f.stem] = deps
+    reached, todo = set(), ["pipeline"]
+    while todo:
+        for dep in graph[todo.pop()] - reached:
+            reached.add(dep)
+            todo.append(dep)
+    assert "job" in reached and not reached & {"local", "remote", "slurm", "launch"}, reached
+    for scheduler in ("local", "remote", "slurm"):
+        assert "pipeline" in graph[scheduler]
