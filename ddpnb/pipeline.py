@@ -23,7 +23,7 @@ from typing import Any
 
 from .agent import descendants
 from .errors import LaunchError
-from .hang import WATCH_DIR, hooks_payload
+from .hang import WATCH_DIR
 from .job import Job, Scheduler
 from .plan import Plan
 from .preflight import warn_if_cuda_initialised
@@ -49,7 +49,7 @@ def run(
     topology = scheduler.preflight(plan, run_dir)  # the run's final shape and meeting point
     warn_if_cuda_initialised()
     shutil.rmtree(run_dir / WATCH_DIR, ignore_errors=True)  # an earlier launch's stacks
-    for name, data in {**plan.payload, **hooks_payload()}.items():  # ddpnb's hooks: fresh
+    for name, data in plan.files.items():  # ddpnb's hooks: fresh at every launch
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_bytes(data)
     (run_dir / "logs").mkdir(exist_ok=True)

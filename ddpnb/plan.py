@@ -10,7 +10,7 @@ from typing import Any
 from .config import TrainConfig
 from .constants import threads_for_host
 from .errors import ConfigError
-from .hang import watch_env
+from .hang import hooks_payload, watch_env
 from .preflight import as_config, check_progress, check_run
 from .reporting import FAULT_ENV, RUN_DIR_ENV, parse_fault
 from .script import Script, worker_script
@@ -67,6 +67,11 @@ class Plan:
             script, config, script.payload(), dict(env or {}), check_progress(progress),
             hang_timeout=hang_timeout, on_hang=on_hang, **rundir,
         )  # fmt: skip
+
+    @property
+    def files(self) -> dict[str, bytes]:
+        """Everything each node's run directory gets: the script's files, and ddpnb's hooks."""
+        return {**self.payload, **hooks_payload()}
 
     @property
     def follow(self) -> dict[str, Any]:

@@ -144,7 +144,7 @@ class Hosts(Processes):
         todo = [n for n, s in enumerate(self.shared) if not s]
         with ThreadPoolExecutor(max_workers=len(self.parsed)) as pool:
             for _ in pool.map(
-                lambda n: push(self.ssh, self.parsed[n], self.python, self.dirs[n], plan.payload),
+                lambda n: push(self.ssh, self.parsed[n], self.python, self.dirs[n], plan.files),
                 todo,
             ):
                 pass
