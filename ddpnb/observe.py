@@ -21,11 +21,11 @@ import functools
 import hashlib
 import inspect
 import json
-import linecache
 import os
 import sys
 import threading
 import time
+import traceback
 
 DIR_ENV = "DDPNB_OBSERVE"  # the folder for the records; unset: nothing is observed
 STEPS_ENV = "DDPNB_OBSERVE_STEPS"  # optimizer steps into the second epoch before stopping
@@ -126,12 +126,6 @@ def _read(path: str, parse):
         return None
 
 
-def _frames(frame):
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
-
-
 class _Observer:
     """This worker's records, its passes, and the stop."""
 
@@ -176,10 +170,10 @@ class _Observer:
 
     def where(self) -> dict | None:
         """The innermost frame of the user's code (the run directory's files)."""
-        for frame in _frames(sys._getframe(1)):
+        for frame, line in traceback.walk_stack(sys._getframe(1)):
             name = self._user_file(frame.f_code.co_filename)
             if name is not None:
-                return {"file": name, "line": frame.f_lineno, "func": frame.f_code.co_name}
+                return {"file": name, "line": line, "func": frame.f_code.co_name}
         return None
 
     def _user_file(self, filename: str) -> str | None:
@@ -339,13 +333,12 @@ class _Observer:
 
     def main_stack(self) -> list[list]:
         """The main thread's frames, outermost first: [file, line, function, source, mine]."""
+        frame = sys._current_frames().get(threading.main_thread().ident)
         out = []
-        for frame in _frames(sys._current_frames().get(threading.main_thread().ident)):
-            code = frame.f_code
-            name = self._user_file(code.co_filename)
-            line = linecache.getline(code.co_filename, frame.f_lineno).strip()[:120]
-            out.append([name or code.co_filename, frame.f_lineno, code.co_name, line, bool(name)])
-        return out[::-1]
+        for f in traceback.extract_stack(frame) if frame is not None else ():
+            name = self._user_file(f.filename)
+            out.append([name or f.filename, f.lineno, f.name, (f.line or "")[:120], bool(name)])
+        return out
 
     def excepthook(self, kind, value, tb) -> None:
         if os.path.exists(self.path(STOP_FILE)):

@@ -718,12 +718,7 @@ def _devices(ranks: list[_Rank], world: int, run_dir: Path) -> list:
 
 def _rendezvous(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """7: init_method / MASTER_ADDR on loopback; rank or world size not torchrun's."""
-    found: dict[tuple, Finding] = {}
-    for r in ranks:
-        inits = [f for init in r["init"] for f in _init_findings(init, run_dir)]
-        for f in [*inits, *map(_setenv_finding, r["setenv"])]:
-            if f is not None:
-                found.setdefault((f.where, f.seen), f)
+    found = {(f.where, f.seen): f for r in ranks for f in _rendezvous_findings(r, run_dir)}
     if found:
         return list(found.values())
     if not any(r["init"] for r in ranks):
@@ -740,36 +735,49 @@ def _loopback(host: str | None) -> bool:
     return bool(host) and is_loopback(host)
 
 
-def _init_findings(init: dict, run_dir: Path) -> list[Finding]:
-    out = []
-    where, env = _at(init["where"]), init["env"]
-    method = init.get("init_method")
-    host = urlparse(method).hostname if isinstance(method, str) else None
-    if isinstance(method, str) and method.startswith("tcp://") and _loopback(host):
-        seen = f"init_method={method!r}: {host} is this machine, on every machine."
-        why = (
-            "It runs while every process is on one host. On two nodes, node 1 connects to "
-            "itself, never meets node 0, and waits until the rendezvous times out."
-        )
-        out.append(Finding(7, where, seen, why))
-    for key, env_key in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
-        value = init.get(key)
-        if value is not None and str(value) != env.get(env_key):
-            seen = (
-                f"init_process_group({key}={value}) on the process torchrun started with "
-                f"{env_key}={env.get(env_key)}; the check stopped it there (it would hang)."
+def _rendezvous_findings(rank: _Rank, run_dir: Path):
+    """7 on one rank: its init_process_group calls, its writes of os.environ."""
+    for init in rank["init"]:
+        where, env = _at(init["where"]), init["env"]
+        method = init.get("init_method")
+        host = urlparse(method).hostname if isinstance(method, str) else None
+        if isinstance(method, str) and method.startswith("tcp://") and _loopback(host):
+            seen = f"init_method={method!r}: {host} is this machine, on every machine."
+            why = (
+                "It runs while every process is on one host. On two nodes, node 1 connects to "
+                "itself, never meets node 0, and waits until the rendezvous times out."
             )
-            why = f"Processes that disagree with torchrun about the {key.replace('_', ' ')} never form one group."
-            out.append(Finding(7, where, seen, why))
-    for key, value in _literal_args(run_dir, init["where"]).items():
-        if init.get(key) is not None and str(init.get(key)) == env.get(key.upper()):
-            seen = (
-                f"{key}={value} is written into the script; it equals torchrun's "
-                f"{key.upper()} in this check only because the check runs {env.get('WORLD_SIZE')} processes."
+            yield Finding(7, where, seen, why)
+        for key, env_key in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
+            value = init.get(key)
+            if value is not None and str(value) != env.get(env_key):
+                seen = (
+                    f"init_process_group({key}={value}) on the process torchrun started with "
+                    f"{env_key}={env.get(env_key)}; the check stopped it there (it would hang)."
+                )
+                why = f"Processes that disagree with torchrun about the {key.replace('_', ' ')} never form one group."
+                yield Finding(7, where, seen, why)
+        for key, value in _literal_args(run_dir, init["where"]).items():
+            if init.get(key) is not None and str(init.get(key)) == env.get(key.upper()):
+                seen = (
+                    f"{key}={value} is written into the script; it equals torchrun's "
+                    f"{key.upper()} in this check only because the check runs {env.get('WORLD_SIZE')} processes."
+                )
+                why = "With another number of nodes or processes per node the group never forms."
+                yield Finding(7, where, seen, why)
+    for s in rank["setenv"]:
+        key, value, where = s["key"], s["value"], _at(s["where"])
+        if key == "MASTER_ADDR" and _loopback(value):
+            seen = f"The script sets os.environ['MASTER_ADDR'] = {value!r}, replacing torchrun's."
+            why = (
+                f"{value} is this machine on every machine: node 1 looks for the rendezvous on "
+                "itself and never meets node 0."
             )
-            why = "With another number of nodes or processes per node the group never forms."
-            out.append(Finding(7, where, seen, why))
-    return out
+            yield Finding(7, where, seen, why)
+        elif key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            seen = f"The script sets os.environ[{key!r}] = {value!r}, replacing torchrun's value."
+            why = "torchrun numbers the processes; a number set by the script is right for one layout only."
+            yield Finding(7, where, seen, why)
 
 
 def _tree(run_dir: Path, where: dict | None) -> ast.AST:
@@ -799,22 +807,6 @@ def _literal_args(run_dir: Path, where: dict | None) -> dict[str, object]:
             if k in ("rank", "world_size") and isinstance(v, ast.Constant) and v.value != -1
         }
     return {}
-
-
-def _setenv_finding(s: dict) -> Finding | None:
-    key, value, where = s["key"], s["value"], _at(s["where"])
-    if key == "MASTER_ADDR" and _loopback(value):
-        seen = f"The script sets os.environ['MASTER_ADDR'] = {value!r}, replacing torchrun's."
-        why = (
-            f"{value} is this machine on every machine: node 1 looks for the rendezvous on "
-            "itself and never meets node 0."
-        )
-        return Finding(7, where, seen, why)
-    if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        seen = f"The script sets os.environ[{key!r}] = {value!r}, replacing torchrun's value."
-        why = "torchrun numbers the processes; a number set by the script is right for one layout only."
-        return Finding(7, where, seen, why)
-    return None
 
 
 # -- 9: collectives that do not pair up; 10: torch.multiprocessing.spawn -------------------
