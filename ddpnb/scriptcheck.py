@@ -363,11 +363,8 @@ class _Rank:
 
 
 def _common(ranks: list[_Rank], passes: list[dict]) -> tuple[list[list[int]], int | None] | None:
-    """The passes' indices at the first dataset level every rank shares, and that level's size.
-
-    A rank's own shard (``Subset(val, range(rank, n, world))``) differs between ranks; the
-    dataset inside it does not, and is where indices are compared.
-    """
+    """The passes' indices at the first dataset level every rank shares, and that level's size
+    (a rank's own shard, ``Subset(val, range(rank, n, world))``, is not: the set inside it is)."""
     levels = [r.levels(p) for r, p in zip(ranks, passes)]
     layers = [r.layers(p) for r, p in zip(ranks, passes)]
     if any(lv is None for lv in levels):
@@ -939,11 +936,8 @@ def _parse_args(argv: list[str]):
 
 
 def main_check_script(argv: list[str]) -> int:
-    """``ddpnb check-script``: 0 no mistake found, 1 mistakes found, 2 the script could not run.
-
-    ``ddpnb check-script [--nnodes N] [--nproc-per-node P] [--file PATH]... SCRIPT [ARGS...]``:
-    options first, then the script; every word after the script is the script's.
-    """
+    """``ddpnb check-script [--nnodes N] [--nproc-per-node P] [--file PATH]... SCRIPT [ARGS...]``:
+    options first, then the script; every word after the script is the script's."""
     try:
         script, kwargs = _parse_args(argv)
         report = check_script(script, **kwargs)
