@@ -1,27 +1,17 @@
 """Watch a DDP script from inside its worker processes, without editing it.
 
-``ddpnb check-script`` loads this file into every worker torchrun starts: the run's
-``.ddpnb/sitecustomize.py`` (``ddpnb.site_hooks``) imports it (as ``ddpnb_observe``) and
-calls :func:`activate` before the script's first line. When the script imports torch, hooks
-record what a DDP run's correctness depends on, one JSON object per line in
-``$DDPNB_OBSERVE/rank-<RANK>.jsonl``:
-
-- ``init_process_group``: its ``init_method``, ``rank`` and ``world_size`` beside
-  torchrun's ``RANK``/``WORLD_SIZE``; writes of ``MASTER_ADDR`` and friends to ``os.environ``;
-- the construction of ``DistributedDataParallel``, of every ``DataLoader`` and
-  ``DistributedSampler``, and ``set_epoch``;
-- every pass over a DataLoader or a DistributedSampler: the sample indices drawn, whether
-  gradients were on, how many optimizer steps it fed (a pass that feeds steps is training);
-- every optimizer step, with a checksum of the parameters after steps 1, 2 and the last;
-- ``torch.save`` paths; CUDA device choices (``set_device``, ``Module.to``, ``device_ids``).
-
-Each record names the line of the user's script that made the call. The check also
-ends the script: a few optimizer steps into its second epoch, or after a time bound,
-every rank stops at the same optimizer step (a stop file in the folder says which one;
-ranks in a DDP run are never more than one step apart) and exits with status 0. A rank
-that cannot reach that step (blocked in a collective) is ended by a watchdog thread.
-
-torch and the standard library only. The hooks change nothing the script computes.
+``ddpnb check-script`` copies this file into the run as ``ddpnb_observe``; the run's
+sitecustomize (``ddpnb.site_hooks``) calls :func:`activate` before the script's first line and
+:func:`install` once it imports torch. Each worker writes ``$DDPNB_OBSERVE/rank-<RANK>.jsonl``,
+one JSON record a line, ``kind`` naming it and ``where`` the script's line that made the call:
+``init`` (init_method, rank, world_size beside torchrun's env), ``setenv`` (MASTER_ADDR and
+friends), ``ddp``, ``loader``, ``sampler``, ``set_epoch``, ``pass`` (a pass over a DataLoader or
+DistributedSampler: its indices, whether gradients were on, the optimizer steps it fed),
+``step`` (parameter checksums after steps 1, 2 and the last), ``save``, ``device`` (CUDA
+choices), ``collectives`` (all, in order). It also ends the script: a few steps into its second
+epoch, or after a time bound, every rank stops at the same optimizer step (a stop file names it;
+DDP ranks are never more than one step apart) and exits 0; a watchdog thread ends a rank blocked
+in a collective. torch and the standard library only; the hooks change nothing it computes.
 """
 
 from __future__ import annotations
@@ -31,11 +21,11 @@ import functools
 import hashlib
 import inspect
 import json
-import linecache
 import os
 import sys
 import threading
 import time
+import traceback
 
 DIR_ENV = "DDPNB_OBSERVE"  # the folder for the records; unset: nothing is observed
 STEPS_ENV = "DDPNB_OBSERVE_STEPS"  # optimizer steps into the second epoch before stopping
@@ -50,19 +40,10 @@ CHECKSUM_STEPS = (1, 2)
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_object", "gather", "gather_object")
 # Every collective the ranks must call in the same order (point-to-point send/recv excepted).
-ORDERED = (
-    *COLLECTIVES,
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "scatter",
-    "scatter_object_list",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_gather_into_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "monitored_barrier",
+ORDERED = COLLECTIVES + tuple(
+    "barrier broadcast broadcast_object_list scatter scatter_object_list reduce_scatter "
+    "reduce_scatter_tensor all_gather_into_tensor all_to_all all_to_all_single "
+    "monitored_barrier".split()
 )
 MAX_SEQUENCE = 20_000  # collectives kept per rank, in order
 # What DistributedDataParallel issues for the script, as the sequence names it.
@@ -101,102 +82,73 @@ class _Pass:
     """One pass over a DataLoader or a DistributedSampler: what it drew and what it fed."""
 
     counter = 0
+    KEYS = "source obj grad training expected n batches batch_sizes steps exhausted".split()
 
-    def __init__(self, source: str, obj_id: str, grad: bool, training) -> None:
+    def __init__(self, source: str, obj: str, grad: bool, training) -> None:
         _Pass.counter += 1
         self.id = _Pass.counter
-        self.source, self.obj_id, self.grad, self.training = source, obj_id, grad, training
+        self.source, self.obj, self.grad, self.training = source, obj, grad, training
         self.expected: int | None = None  # len(loader): the batches it holds
         self.subsets: list = []  # the index lists of the Subsets around the loader's dataset
         self.indices: list[int] = []
         self.n = self.batches = self.steps = 0
-        self.sizes: list[int] = []  # the smallest and largest batch
-        self.exhausted = False
-        self.written = False  # its record is on disk (written when the loader ran out)
+        self.batch_sizes: list[int] = []  # the smallest and largest batch
+        self.exhausted = self.written = False  # written: its record is on disk
 
     def add(self, idx) -> None:
         batch = idx if isinstance(idx, list) else [idx]
         self.batches += 1
         self.n += len(batch)
-        lo, hi = self.sizes or (len(batch), len(batch))
-        self.sizes = [min(lo, len(batch)), max(hi, len(batch))]
+        lo, hi = self.batch_sizes or (len(batch), len(batch))
+        self.batch_sizes = [min(lo, len(batch)), max(hi, len(batch))]
         if len(self.indices) < MAX_INDICES:
             self.indices.extend(int(i) for i in batch if isinstance(i, int))
 
     def record(self) -> dict:
-        return {
-            "kind": "pass",
-            "pass": self.id,
-            "source": self.source,
-            "obj": self.obj_id,
-            "grad": self.grad,
-            "training": self.training,
-            "expected": self.expected,
-            "indices": _levels(self.indices, self.subsets) if self.source == "loader" else None,
-            "n": self.n,
-            "batches": self.batches,
-            "batch_sizes": self.sizes,
-            "steps": self.steps,
-            "exhausted": self.exhausted,
-        }
+        # The indices as the loader's dataset numbers them, then as each Subset inside does.
+        levels = [self.indices]
+        for chosen in self.subsets:
+            try:
+                levels.append([int(chosen[i]) for i in levels[-1]])
+            except (IndexError, TypeError):
+                break
+        indices = levels if self.source == "loader" else None
+        fields = {k: getattr(self, k) for k in self.KEYS}
+        return {"kind": "pass", "pass": self.id, **fields, "indices": indices}
 
 
-def _levels(indices: list[int], subsets: list) -> list[list[int]]:
-    """The indices as the loader's dataset numbers them, then as each dataset inside it does."""
-    out = [indices]
-    for chosen in subsets:
-        try:
-            out.append([int(chosen[i]) for i in out[-1]])
-        except (IndexError, TypeError):
-            break
-    return out
-
-
-def _subsets(dataset, subset_type) -> tuple[list, list[dict]]:
-    """The Subsets' index lists from the outside in, and each level's size and identity."""
-    chosen, layers = [], []
-    while True:
-        if isinstance(dataset, subset_type):
-            ids = dataset.indices
-            digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:12]
-            layers.append({"len": len(ids), "id": digest})
-            chosen.append(ids)
-            dataset = dataset.dataset
-            continue
-        layers.append({"len": _dataset_len(dataset), "id": type(dataset).__name__})
-        return chosen, layers
+def _read(path: str, parse):
+    """The file's text parsed, or None where it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return parse(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 class _Observer:
     """This worker's records, its passes, and the stop."""
 
     def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self.rank = int(os.environ["RANK"])
+        self.folder, self.rank, self.pid = folder, int(os.environ["RANK"]), os.getpid()
         self.t0 = time.monotonic()
         self.lock = threading.RLock()
-        self.pid = os.getpid()
-        self.file = open(os.path.join(folder, f"rank-{self.rank}.jsonl"), "a", buffering=1)
-        # The user's files: the run directory's (the working directory at start), wherever
-        # the script is in it; the paths are relative to it (the run directory's layout).
+        self.file = open(self.path(f"rank-{self.rank}.jsonl"), "a", buffering=1)
+        # The user's files: the run directory's (the working directory at start); their
+        # paths are relative to it.
         self.user_dir = os.path.realpath(os.getcwd()) + os.sep
         self.user_files: dict[str, str | None] = {}
         self.ids: dict[str, int] = {}
         self.open_passes: dict[str, _Pass] = {}
         self.current: _Pass | None = None  # the pass whose batches the next step trains on
         self.fetching: _Pass | None = None  # a loader pass drawing indices right now
-        self.train_passes: list[int] = []
-        self.steps = 0
-        self.first_step: float | None = None
-        self.stop_at: dict | None = None
-        self.stop_seen: float | None = None
+        self.train_passes: list[int] = []  # the id of each epoch's training pass
+        self.first_step = self.stop_at = self.stop_seen = None  # when; the stop; when seen
+        self.steps = self.in_collective = 0  # in_collective: all_gather_object's inner calls
+        self.backward_syncs = 0  # DDP forwards whose backward will all-reduce gradients
         self.finished = False
         self.ddp_modules: list = []
-        self.sequence: list[
-            list
-        ] = []  # [collective, "file:line"] in the order this rank called them
-        self.in_collective = 0  # a collective calling another (all_gather_object) counts once
-        self.backward_syncs = 0  # DDP forwards whose backward will all-reduce gradients
+        self.sequence: list[list] = []  # [collective, "file:line", steps] in the order called
         self.previous_excepthook = sys.excepthook
         self.torch = None
         self.steps_into_second = int(os.environ.get(STEPS_ENV, "2"))
@@ -205,7 +157,8 @@ class _Observer:
         env = {k: os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")}
         self.write({"kind": "start", "rank": self.rank, "pid": self.pid, "env": env})
 
-    # -- records ------------------------------------------------------------------------
+    def path(self, name: str) -> str:
+        return os.path.join(self.folder, name)
 
     def write(self, record: dict) -> None:
         if os.getpid() != self.pid or self.finished:
@@ -217,12 +170,10 @@ class _Observer:
 
     def where(self) -> dict | None:
         """The innermost frame of the user's code (the run directory's files)."""
-        frame = sys._getframe(1)
-        while frame is not None:
+        for frame, line in traceback.walk_stack(sys._getframe(1)):
             name = self._user_file(frame.f_code.co_filename)
             if name is not None:
-                return {"file": name, "line": frame.f_lineno, "func": frame.f_code.co_name}
-            frame = frame.f_back
+                return {"file": name, "line": line, "func": frame.f_code.co_name}
         return None
 
     def _user_file(self, filename: str) -> str | None:
@@ -233,6 +184,12 @@ class _Observer:
             mine = path.startswith(self.user_dir) and not ours and not filename.startswith("<")
             self.user_files[filename] = path[len(self.user_dir) :] if mine else None
         return self.user_files[filename]
+
+    def made(self, kind: str, obj, names: str, **fields) -> None:
+        """The record of a DataLoader or DistributedSampler: its id, line, attributes ``names``."""
+        fields = {**{k: getattr(obj, k) for k in names.split()}, **fields}
+        prefix = "L" if kind == "loader" else "S"
+        self.write({"kind": kind, "id": self.new_id(obj, prefix), "where": self.where(), **fields})
 
     def new_id(self, obj, prefix: str) -> str:
         self.ids[prefix] = self.ids.get(prefix, 0) + 1
@@ -246,12 +203,9 @@ class _Observer:
             previous = self.open_passes.pop(obj_id, None)
             if previous is not None and not previous.written:
                 self.write(previous.record())
-            training = None
-            if self.ddp_modules:
-                training = bool(self.ddp_modules[-1].training)
+            training = bool(self.ddp_modules[-1].training) if self.ddp_modules else None
             p = _Pass(source, obj_id, self.torch.is_grad_enabled(), training)
-            self.open_passes[obj_id] = p
-            self.current = p
+            self.open_passes[obj_id] = self.current = p
             return p
 
     def pass_ended(self, p: _Pass) -> None:
@@ -264,15 +218,14 @@ class _Observer:
     def train_pass_ended(self, p: _Pass) -> None:
         """At the end of a training epoch, wait briefly for every rank to end the same one.
 
-        A rank whose epoch is longer is blocked in DDP's all-reduce for a step its peers
-        never take; its peers would then start collectives that do not match (gloo aborts,
-        NCCL hangs). Comparing the step counts through files first keeps the evidence and
-        ends every rank cleanly instead.
+        A rank whose epoch is longer is blocked in DDP's all-reduce for a step its peers never
+        take; its peers would then start collectives that do not match (gloo aborts, NCCL
+        hangs). Comparing the step counts through files first ends every rank cleanly instead.
         """
-        epoch = self.train_passes.index(p.id) + 1 if p.id in self.train_passes else None
-        if epoch is None:
+        if p.id not in self.train_passes:
             return
-        mine = os.path.join(self.folder, f"epoch-{epoch}.rank-{self.rank}")
+        epoch = self.train_passes.index(p.id) + 1
+        mine = self.path(f"epoch-{epoch}.rank-{self.rank}")
         with open(mine + ".tmp", "w") as f:
             f.write(str(p.steps))
         os.replace(mine + ".tmp", mine)
@@ -281,7 +234,8 @@ class _Observer:
         counts: dict[int, int] = {}
         deadline = time.monotonic() + EPOCH_WAIT_SECONDS
         while time.monotonic() < deadline:
-            counts = self._epoch_counts(epoch, world)
+            read = {r: _read(self.path(f"epoch-{epoch}.rank-{r}"), int) for r in range(world)}
+            counts = {r: n for r, n in read.items() if n is not None}
             if len(counts) == world or self.read_stop() is not None:
                 break
             time.sleep(0.01)
@@ -289,16 +243,6 @@ class _Observer:
             self.write({"kind": "epoch_mismatch", "epoch": epoch, "counts": counts})
             self.request_stop(None, f"ranks' epoch {epoch} differ in length")
             self.end(f"stopped at the end of epoch {epoch}: the ranks' epochs differ in length")
-
-    def _epoch_counts(self, epoch: int, world: int) -> dict[int, int]:
-        counts = {}
-        for r in range(world):
-            try:
-                with open(os.path.join(self.folder, f"epoch-{epoch}.rank-{r}")) as f:
-                    counts[r] = int(f.read())
-            except (OSError, ValueError):
-                pass
-        return counts
 
     # -- steps and the stop ----------------------------------------------------------------
 
@@ -317,8 +261,10 @@ class _Observer:
             record["params"] = self.checksum(optimizer)
         self.write(record)
         stop = self.read_stop()
-        if stop is None and self.want_stop(p):
-            if self._epochs_done(p):
+        epoch = len(self.train_passes)
+        done = epoch >= 3 or (epoch == 2 and p is not None and p.steps >= self.steps_into_second)
+        if stop is None and (done or time.monotonic() - self.first_step > self.train_seconds):
+            if done:
                 why = f"{self.steps_into_second} step(s) into epoch 2, where the check stops"
             else:
                 why = f"after {self.train_seconds:g} s of training, the check's time limit"
@@ -328,31 +274,18 @@ class _Observer:
                 self.write({"kind": "params", "n": n, "params": self.checksum(optimizer)})
             self.end(f"stopped after optimizer step {n} ({stop['reason']})")
 
-    def _epochs_done(self, p) -> bool:
-        epoch = len(self.train_passes)
-        return epoch >= 3 or (epoch == 2 and p is not None and p.steps >= self.steps_into_second)
-
-    def want_stop(self, p) -> bool:
-        if self._epochs_done(p):
-            return True
-        return time.monotonic() - self.first_step > self.train_seconds
-
     def read_stop(self) -> dict | None:
         if self.stop_at is None:
-            try:
-                with open(os.path.join(self.folder, STOP_FILE)) as f:
-                    self.stop_at = json.load(f)
-            except (OSError, ValueError):
-                return None
+            self.stop_at = _read(self.path(STOP_FILE), json.loads)
         return self.stop_at
 
     def request_stop(self, step: int | None, reason: str) -> dict:
         """Ask every rank to stop after optimizer step ``step`` (None: at once); first ask wins."""
-        tmp = os.path.join(self.folder, f".stop-{self.rank}.tmp")
+        tmp = self.path(f".stop-{self.rank}.tmp")
         with open(tmp, "w") as f:
             json.dump({"step": step, "reason": reason, "rank": self.rank}, f)
         try:
-            os.link(tmp, os.path.join(self.folder, STOP_FILE))  # atomic, and only once
+            os.link(tmp, self.path(STOP_FILE))  # atomic, and only once
         except FileExistsError:
             pass
         os.unlink(tmp)
@@ -386,11 +319,10 @@ class _Observer:
 
     def watch(self) -> None:
         """End this rank when a stop was asked and it did not get there (a blocked collective)."""
-        stop_path = os.path.join(self.folder, STOP_FILE)
         while not self.finished:
             time.sleep(0.2)
             now = time.monotonic()
-            if self.stop_seen is None and os.path.exists(stop_path):
+            if self.stop_seen is None and os.path.exists(self.path(STOP_FILE)):
                 self.stop_seen = now
             if self.stop_seen is None and now - self.t0 > self.timeout:
                 self.request_stop(None, f"time bound of {self.timeout:g} s")
@@ -400,154 +332,62 @@ class _Observer:
                 self.end("ended by the check's watchdog (another rank had stopped)")
 
     def main_stack(self) -> list[list]:
-        """Where the main thread is: [file, line, function, source, mine] per frame, outermost first."""
+        """The main thread's frames, outermost first: [file, line, function, source, mine]."""
         frame = sys._current_frames().get(threading.main_thread().ident)
         out = []
-        while frame is not None:
-            name = self._user_file(frame.f_code.co_filename)
-            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()[:120]
-            out.append(
-                [name or frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, line]
-                + [name is not None]
-            )
-            frame = frame.f_back
-        return out[::-1]
+        for f in traceback.extract_stack(frame) if frame is not None else ():
+            name = self._user_file(f.filename)
+            out.append([name or f.filename, f.lineno, f.name, (f.line or "")[:120], bool(name)])
+        return out
 
     def excepthook(self, kind, value, tb) -> None:
-        if os.path.exists(os.path.join(self.folder, STOP_FILE)):
+        if os.path.exists(self.path(STOP_FILE)):
             self.end(f"ended after a peer stopped ({kind.__name__})")  # its peer left
         self.write({"kind": "exception", "type": kind.__name__, "message": str(value)[:2000]})
         self.finish("exception")
         self.previous_excepthook(kind, value, tb)
 
     def checksum(self, optimizer) -> str:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
         digest = hashlib.sha256()
         try:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    t = param.detach().reshape(-1).cpu().contiguous()
-                    digest.update(t.view(self.torch.uint8).numpy().tobytes())
+            for param in params:
+                t = param.detach().reshape(-1).cpu().contiguous()
+                digest.update(t.view(self.torch.uint8).numpy().tobytes())
         except Exception:  # no numpy, an exotic tensor: sums are still telling
-            sums = [
-                float(p.detach().double().sum())
-                for g in optimizer.param_groups
-                for p in g["params"]
-            ]
-            return "sum:" + repr(sums)
+            return "sum:" + repr([float(p.detach().double().sum()) for p in params])
         return digest.hexdigest()[:16]
-
-    # -- hooks ------------------------------------------------------------------------------
 
     def install(self, torch) -> None:
         """Hook torch (once the script imported it); a failure leaves the script as it was."""
         self.torch = torch
-        hooks = (_hook_init, _hook_ddp, _hook_loader, _hook_loader_iter, _hook_sampler)
-        for hook in (*hooks, _hook_steps, _hook_save, _hook_collectives, _hook_spawn):
+        hooks = (_hook_init, _hook_ddp, _hook_loader, _hook_sampler, _hook_steps, _hook_save)
+        for hook in (*hooks, _hook_collectives, _hook_spawn, _hook_devices):
             try:
                 hook(self, torch)
             except Exception as e:  # an older or newer torch: observe what can be observed
                 self.write({"kind": "observe_error", "hook": hook.__name__, "error": repr(e)})
-        try:
-            _hook_devices(self, torch)
-        except Exception as e:
-            self.write({"kind": "observe_error", "hook": "_hook_devices", "error": repr(e)})
 
 
-def _wrap(owner, name: str, make) -> None:
-    original = getattr(owner, name)
-    if getattr(original, "_ddpnb", False):
-        return
-    wrapper = functools.wraps(original)(make(original))
-    wrapper._ddpnb = True
-    setattr(owner, name, wrapper)
+# -- hooks: each replaces a torch function with one that records, then calls it ---------------
 
 
-def _given(value) -> int | None:
-    return None if value is None or value == -1 else value
+def _patch(owner, name: str):
+    """Decorator: ``owner.name(...)`` becomes ``hook(original, ...)`` (once per process)."""
 
+    def decorate(hook):
+        original = getattr(owner, name)
+        if not getattr(original, "_ddpnb", False):
 
-def _hook_init(obs: _Observer, torch) -> None:
-    import torch.distributed.distributed_c10d as c10d
+            @functools.wraps(original)
+            def wrapper(*args, **kwargs):
+                return hook(original, *args, **kwargs)
 
-    signature = inspect.signature(c10d.init_process_group)
+            wrapper._ddpnb = True
+            setattr(owner, name, wrapper)
+        return hook
 
-    def make(original):
-        def init_process_group(*args, **kwargs):
-            try:
-                bound = signature.bind_partial(*args, **kwargs).arguments
-            except TypeError:
-                bound = {}
-            rank, world = _given(bound.get("rank")), _given(bound.get("world_size"))
-            env = {k: os.environ.get(k) for k in ENV_KEYS}
-            obs.write(
-                {
-                    "kind": "init",
-                    "where": obs.where(),
-                    "backend": str(bound.get("backend")),
-                    "init_method": bound.get("init_method"),
-                    "store": bound.get("store") is not None,
-                    "rank": rank,
-                    "world_size": world,
-                    "env": env,
-                }
-            )
-            if (rank is not None and str(rank) != env["RANK"]) or (
-                world is not None and str(world) != env["WORLD_SIZE"]
-            ):
-                # Ranks that disagree with torchrun's never meet: stop instead of hanging.
-                obs.request_stop(None, "rank or world_size differs from torchrun's")
-                obs.end("stopped at init_process_group: rank or world_size is not torchrun's")
-            return original(*args, **kwargs)
-
-        return init_process_group
-
-    _wrap(c10d, "init_process_group", make)
-    torch.distributed.init_process_group = c10d.init_process_group
-
-
-def _hook_ddp(obs: _Observer, torch) -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    def make(original):
-        def __init__(self, module, *args, **kwargs):
-            obs.called(DDP_INIT, obs.where())
-            original(self, module, *args, **kwargs)
-            obs.ddp_modules.append(self)
-            ids = getattr(self, "device_ids", None)
-            obs.write({"kind": "ddp", "where": obs.where(), "device_ids": ids})
-            for i in ids or ():
-                obs.write({"kind": "device", "call": "DDP(device_ids=...)", "index": int(i)})
-
-        return __init__
-
-    def make_forward(original):
-        def forward(self, *args, **kwargs):
-            if torch.is_grad_enabled() and self.require_backward_grad_sync:
-                obs.backward_syncs += 1  # the next backward all-reduces this forward's gradients
-            return original(self, *args, **kwargs)
-
-        return forward
-
-    def make_sync_buffers(original):
-        def _sync_buffers(self, *args, **kwargs):
-            obs.called(DDP_BUFFERS, obs.where())
-            return original(self, *args, **kwargs)
-
-        return _sync_buffers
-
-    def make_backward(original):
-        def backward(*args, **kwargs):
-            if obs.backward_syncs:
-                obs.backward_syncs = 0
-                obs.called(DDP_GRADIENTS, obs.where())
-            return original(*args, **kwargs)
-
-        return backward
-
-    _wrap(DDP, "__init__", make)
-    _wrap(DDP, "forward", make_forward)
-    _wrap(DDP, "_sync_buffers", make_sync_buffers)
-    _wrap(torch.autograd, "backward", make_backward)
+    return decorate
 
 
 def _dataset_len(dataset) -> int | None:
@@ -557,151 +397,200 @@ def _dataset_len(dataset) -> int | None:
         return None
 
 
-def _hook_loader(obs: _Observer, torch) -> None:
-    from torch.utils.data import DataLoader
+def _subsets(dataset, subset_type) -> tuple[list, list[dict]]:
+    """The Subsets' index lists from the outside in, and each level's size and identity."""
+    chosen, layers = [], []
+    while isinstance(dataset, subset_type):
+        digest = hashlib.sha256(",".join(map(str, dataset.indices)).encode()).hexdigest()[:12]
+        layers.append({"len": len(dataset.indices), "id": digest})
+        chosen.append(dataset.indices)
+        dataset = dataset.dataset
+    return chosen, [*layers, {"len": _dataset_len(dataset), "id": type(dataset).__name__}]
 
-    def make_init(original):
-        def __init__(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            sampler = getattr(self, "sampler", None)
-            record = {
-                "kind": "loader",
-                "id": obs.new_id(self, "L"),
+
+def _hook_init(obs: _Observer, torch) -> None:
+    import torch.distributed.distributed_c10d as c10d
+
+    signature = inspect.signature(c10d.init_process_group)
+
+    @_patch(c10d, "init_process_group")
+    def init_process_group(original, *args, **kwargs):
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = {}
+        rank, world = (bound.get(k) for k in ("rank", "world_size"))
+        rank, world = (None if v == -1 else v for v in (rank, world))
+        env = {k: os.environ.get(k) for k in ENV_KEYS}
+        obs.write(
+            {
+                "kind": "init",
                 "where": obs.where(),
-                "batch_size": self.batch_size,
-                "drop_last": self.drop_last,
-                "sampler": type(sampler).__name__,
-                "sampler_id": getattr(sampler, "__dict__", {}).get("_ddpnb_id"),
-                "dataset_len": _dataset_len(self.dataset),
-                "iterable": isinstance(self.dataset, torch.utils.data.IterableDataset),
+                "backend": str(bound.get("backend")),
+                "init_method": bound.get("init_method"),
+                "store": bound.get("store") is not None,
+                "rank": rank,
+                "world_size": world,
+                "env": env,
             }
-            chosen, record["layers"] = _subsets(self.dataset, torch.utils.data.Subset)
-            self.__dict__["_ddpnb_subsets"] = chosen
-            obs.write(record)
+        )
+        if (rank is not None and str(rank) != env["RANK"]) or (
+            world is not None and str(world) != env["WORLD_SIZE"]
+        ):
+            # Ranks that disagree with torchrun's never meet: stop instead of hanging.
+            obs.request_stop(None, "rank or world_size differs from torchrun's")
+            obs.end("stopped at init_process_group: rank or world_size is not torchrun's")
+        return original(*args, **kwargs)
 
-        return __init__
-
-    def make_iter(original):
-        def __iter__(self):
-            obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "L")
-            p = obs.open_pass("loader", obj_id)
-            p.subsets = self.__dict__.get("_ddpnb_subsets", [])
-            try:
-                p.expected = len(self)
-            except TypeError:
-                pass
-            obs.fetching = p  # a multi-process iterator draws its first indices in here
-            try:
-                it = original(self)
-            finally:
-                obs.fetching = None
-            it.__dict__["_ddpnb_pass"] = p
-            return it
-
-        return __iter__
-
-    _wrap(DataLoader, "__init__", make_init)
-    _wrap(DataLoader, "__iter__", make_iter)
+    torch.distributed.init_process_group = c10d.init_process_group
 
 
-def _hook_loader_iter(obs: _Observer, torch) -> None:
-    """The indices each pass draws, and the end of a pass as its consumer sees it."""
+def _hook_ddp(obs: _Observer, torch) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    @_patch(DDP, "__init__")
+    def __init__(original, self, module, *args, **kwargs):
+        obs.called(DDP_INIT, obs.where())
+        original(self, module, *args, **kwargs)
+        obs.ddp_modules.append(self)
+        ids = getattr(self, "device_ids", None)
+        obs.write({"kind": "ddp", "where": obs.where(), "device_ids": ids})
+        for i in ids or ():
+            obs.write({"kind": "device", "call": "DDP(device_ids=...)", "index": int(i)})
+
+    @_patch(DDP, "forward")
+    def forward(original, self, *args, **kwargs):
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            obs.backward_syncs += 1  # the next backward all-reduces this forward's gradients
+        return original(self, *args, **kwargs)
+
+    @_patch(DDP, "_sync_buffers")
+    def _sync_buffers(original, *args, **kwargs):
+        obs.called(DDP_BUFFERS, obs.where())
+        return original(*args, **kwargs)
+
+    @_patch(torch.autograd, "backward")
+    def backward(original, *args, **kwargs):
+        if obs.backward_syncs:
+            obs.backward_syncs = 0
+            obs.called(DDP_GRADIENTS, obs.where())
+        return original(*args, **kwargs)
+
+
+def _hook_loader(obs: _Observer, torch) -> None:
+    """DataLoaders, and each pass: the indices it draws, and its end as its consumer sees it."""
+    from torch.utils.data import DataLoader, Subset
     from torch.utils.data import dataloader as dl
 
-    def make_next_index(original):
-        def _next_index(self):
-            p = self.__dict__.get("_ddpnb_pass") or obs.fetching
-            previous, obs.fetching = obs.fetching, p
-            try:
-                idx = original(self)
-            except StopIteration:
-                if p is not None:
-                    p.exhausted = True
-                raise
-            finally:
-                obs.fetching = previous
+    @_patch(DataLoader, "__init__")
+    def __init__(original, self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        sampler = getattr(self, "sampler", None)
+        self.__dict__["_ddpnb_subsets"], layers = _subsets(self.dataset, Subset)
+        obs.made(
+            "loader",
+            self,
+            "batch_size drop_last",
+            sampler=type(sampler).__name__,
+            sampler_id=getattr(sampler, "__dict__", {}).get("_ddpnb_id"),
+            dataset_len=_dataset_len(self.dataset),
+            iterable=isinstance(self.dataset, torch.utils.data.IterableDataset),
+            layers=layers,
+        )
+
+    @_patch(DataLoader, "__iter__")
+    def __iter__(original, self):
+        obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "L")
+        p = obs.open_pass("loader", obj_id)
+        p.subsets = self.__dict__.get("_ddpnb_subsets", [])
+        try:
+            p.expected = len(self)
+        except TypeError:
+            pass
+        obs.fetching = p  # a multi-process iterator draws its first indices in here
+        try:
+            it = original(self)
+        finally:
+            obs.fetching = None
+        it.__dict__["_ddpnb_pass"] = p
+        return it
+
+    @_patch(dl._BaseDataLoaderIter, "_next_index")
+    def _next_index(original, self):
+        p = self.__dict__.get("_ddpnb_pass") or obs.fetching
+        previous, obs.fetching = obs.fetching, p
+        try:
+            idx = original(self)
+        except StopIteration:
             if p is not None:
-                p.add(idx)
-                obs.current = p
-            return idx
+                p.exhausted = True
+            raise
+        finally:
+            obs.fetching = previous
+        if p is not None:
+            p.add(idx)
+            obs.current = p
+        return idx
 
-        return _next_index
-
-    def make_next(original):
-        def __next__(self):
-            try:
-                return original(self)
-            except StopIteration:
-                p = self.__dict__.get("_ddpnb_pass")
-                if p is not None and p.exhausted:
-                    obs.pass_ended(p)  # its steps are final: the consumer has seen the end
-                if p is not None and p.steps:
-                    obs.train_pass_ended(p)
-                raise
-
-        return __next__
-
-    _wrap(dl._BaseDataLoaderIter, "_next_index", make_next_index)
-    _wrap(dl._BaseDataLoaderIter, "__next__", make_next)
+    @_patch(dl._BaseDataLoaderIter, "__next__")
+    def __next__(original, self):
+        try:
+            return original(self)
+        except StopIteration:
+            p = self.__dict__.get("_ddpnb_pass")
+            if p is not None and p.exhausted:
+                obs.pass_ended(p)  # its steps are final: the consumer has seen the end
+            if p is not None and p.steps:
+                obs.train_pass_ended(p)
+            raise
 
 
 def _hook_sampler(obs: _Observer, torch) -> None:
     from torch.utils.data import DistributedSampler
 
-    def make_init(original):
-        def __init__(self, dataset, *args, **kwargs):
-            original(self, dataset, *args, **kwargs)
-            obs.write(
-                {
-                    "kind": "sampler",
-                    "id": obs.new_id(self, "S"),
-                    "where": obs.where(),
-                    "num_replicas": self.num_replicas,
-                    "rank": self.rank,
-                    "shuffle": self.shuffle,
-                    "drop_last": self.drop_last,
-                    "dataset_len": _dataset_len(dataset),
-                }
-            )
+    @_patch(DistributedSampler, "__init__")
+    def __init__(original, self, dataset, *args, **kwargs):
+        original(self, dataset, *args, **kwargs)
+        names = "num_replicas rank shuffle drop_last"
+        obs.made("sampler", self, names, dataset_len=_dataset_len(dataset))
 
-        return __init__
+    @_patch(DistributedSampler, "__iter__")
+    def __iter__(original, self):
+        indices = list(original(self))
+        obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "S")
+        inner = obs.fetching  # drawn by a DataLoader pass, or iterated by the script
+        p = None if inner is not None else obs.open_pass("sampler", obj_id)
+        obs.write(
+            {
+                "kind": "sampler_pass",
+                "sampler": obj_id,
+                "epoch": getattr(self, "epoch", None),
+                "loader_pass": inner.id if inner is not None else None,
+                "pass": p.id if p is not None else None,
+                "indices": [int(i) for i in indices[:MAX_INDICES]],
+                "n": len(indices),
+            }
+        )
+        if p is not None:
+            p.n, p.exhausted = len(indices), True
+        return iter(indices)
 
-    def make_iter(original):
-        def __iter__(self):
-            indices = list(original(self))
-            obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "S")
-            inner = obs.fetching  # drawn by a DataLoader pass, or iterated by the script
-            p = None if inner is not None else obs.open_pass("sampler", obj_id)
-            obs.write(
-                {
-                    "kind": "sampler_pass",
-                    "sampler": obj_id,
-                    "epoch": getattr(self, "epoch", None),
-                    "loader_pass": inner.id if inner is not None else None,
-                    "pass": p.id if p is not None else None,
-                    "indices": [int(i) for i in indices[:MAX_INDICES]],
-                    "n": len(indices),
-                }
-            )
-            if p is not None:
-                p.n, p.exhausted = len(indices), True
-            return iter(indices)
+    @_patch(DistributedSampler, "set_epoch")
+    def set_epoch(original, self, epoch):
+        obj_id = self.__dict__.get("_ddpnb_id")
+        obs.write({"kind": "set_epoch", "sampler": obj_id, "epoch": epoch, "where": obs.where()})
+        return original(self, epoch)
 
-        return __iter__
 
-    def make_set_epoch(original):
-        def set_epoch(self, epoch):
-            obj_id = self.__dict__.get("_ddpnb_id")
-            obs.write(
-                {"kind": "set_epoch", "sampler": obj_id, "epoch": epoch, "where": obs.where()}
-            )
-            return original(self, epoch)
+def _hook_steps(obs: _Observer, torch) -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        return set_epoch
+    @_patch(torch.optim.Optimizer, "__init__")
+    def __init__(original, self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        obs.write({"kind": "optimizer", "type": type(self).__name__, "where": obs.where()})
 
-    _wrap(DistributedSampler, "__init__", make_init)
-    _wrap(DistributedSampler, "__iter__", make_iter)
-    _wrap(DistributedSampler, "set_epoch", make_set_epoch)
+    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: obs.after_step(optimizer))
 
 
 def _hook_collectives(obs: _Observer, torch) -> None:
@@ -710,80 +599,49 @@ def _hook_collectives(obs: _Observer, torch) -> None:
 
     seen: set = set()
 
-    def make(original):
+    def collective(original, *args, **kwargs):
         name = original.__name__
-
-        def collective(*args, **kwargs):
-            if obs.in_collective:  # called by another collective (all_gather_object)
-                return original(*args, **kwargs)
-            where = obs.where()
-            obs.called(name, where)
-            key = (name, str(where), obs.current.id if obs.current else None)
-            if where is not None and key not in seen and name in COLLECTIVES:
-                seen.add(key)
-                obs.write({"kind": "collective", "op": name, "where": where, "pass": key[2]})
-            obs.in_collective += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                obs.in_collective -= 1
-
-        return collective
+        if obs.in_collective:  # called by another collective (all_gather_object)
+            return original(*args, **kwargs)
+        where = obs.where()
+        obs.called(name, where)
+        key = (name, str(where), obs.current.id if obs.current else None)
+        if where is not None and key not in seen and name in COLLECTIVES:
+            seen.add(key)
+            obs.write({"kind": "collective", "op": name, "where": where, "pass": key[2]})
+        obs.in_collective += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            obs.in_collective -= 1
 
     for name in ORDERED:
         if hasattr(dist, name):
-            _wrap(dist, name, make)
+            _patch(dist, name)(collective)
 
 
 def _hook_spawn(obs: _Observer, torch) -> None:
     """torch.multiprocessing.spawn under torchrun: every rank would start ranks of its own."""
     import torch.multiprocessing as mp
 
-    def make(original):
-        name = original.__name__
-
-        def spawn(*args, **kwargs):
-            obs.write(
-                {"kind": "spawn", "call": f"torch.multiprocessing.{name}", "where": obs.where()}
-            )
-            obs.request_stop(None, "the script calls torch.multiprocessing.spawn under torchrun")
-            obs.end(f"stopped at torch.multiprocessing.{name}: the script starts ranks of its own")
-
-        return spawn
+    def spawn(original, *args, **kwargs):
+        call = f"torch.multiprocessing.{original.__name__}"
+        obs.write({"kind": "spawn", "call": call, "where": obs.where()})
+        obs.request_stop(None, "the script calls torch.multiprocessing.spawn under torchrun")
+        obs.end(f"stopped at {call}: the script starts ranks of its own")
 
     for name in ("spawn", "start_processes"):
-        _wrap(mp, name, make)
-
-
-def _hook_steps(obs: _Observer, torch) -> None:
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    def make(original):
-        def __init__(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            obs.write({"kind": "optimizer", "type": type(self).__name__, "where": obs.where()})
-
-        return __init__
-
-    _wrap(torch.optim.Optimizer, "__init__", make)
-
-    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: obs.after_step(optimizer))
+        _patch(mp, name)(spawn)
 
 
 def _hook_save(obs: _Observer, torch) -> None:
-    def make(original):
-        def save(obj, f, *args, **kwargs):
-            if isinstance(f, (str, os.PathLike)):
-                path = os.path.abspath(os.fspath(f))
-            else:
-                path = getattr(f, "name", None)
-                path = os.path.abspath(path) if isinstance(path, str) else None
-            obs.write({"kind": "save", "path": path, "where": obs.where()})
-            return original(obj, f, *args, **kwargs)
+    @_patch(torch.serialization, "save")
+    def save(original, obj, f, *args, **kwargs):
+        path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+        path = os.path.abspath(path) if isinstance(path, str) else None
+        obs.write({"kind": "save", "path": path, "where": obs.where()})
+        return original(obj, f, *args, **kwargs)
 
-        return save
-
-    _wrap(torch.serialization, "save", make)
     torch.save = torch.serialization.save
 
 
@@ -792,49 +650,35 @@ def _hook_devices(obs: _Observer, torch) -> None:
 
     def note(call: str, device) -> None:
         try:
-            d = (
-                torch.device(device)
-                if not isinstance(device, int)
-                else torch.device("cuda", device)
-            )
+            d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         except Exception:
             return
         if d.type == "cuda" and d.index is not None:
             obs.write({"kind": "device", "call": call, "index": d.index, "where": obs.where()})
 
-    def make_set_device(original):
-        def set_device(device):
-            note("torch.cuda.set_device", device)
-            return original(device)
+    @_patch(torch.cuda, "set_device")
+    def set_device(original, device):
+        note("torch.cuda.set_device", device)
+        return original(device)
 
-        return set_device
-
-    def make_to(original):
-        def to(self, *args, **kwargs):
-            try:
-                device = torch._C._nn._parse_to(*args, **kwargs)[0]
-            except Exception:  # the original call reports bad arguments itself
-                device = None
-            if device is not None:
-                note("Module.to", device)
-            return original(self, *args, **kwargs)
-
-        return to
-
-    _wrap(torch.cuda, "set_device", make_set_device)
-    _wrap(torch.nn.Module, "to", make_to)
+    @_patch(torch.nn.Module, "to")
+    def to(original, self, *args, **kwargs):
+        try:
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        except Exception:  # the original call reports bad arguments itself
+            device = None
+        if device is not None:
+            note("Module.to", device)
+        return original(self, *args, **kwargs)
 
 
 def _patch_environ() -> None:
     """Record the script's writes of MASTER_ADDR, RANK and the like to os.environ."""
-    environ_type = type(os.environ)
-    original = environ_type.__setitem__
 
-    def __setitem__(self, key, value):
+    @_patch(type(os.environ), "__setitem__")
+    def __setitem__(original, self, key, value):
         original(self, key, value)
         if self is os.environ and key in ENV_KEYS and _state is not None:
             where = _state.where()
             if where is not None:
                 _state.write({"kind": "setenv", "key": key, "value": value, "where": where})
-
-    environ_type.__setitem__ = __setitem__

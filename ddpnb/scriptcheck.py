@@ -1,11 +1,10 @@
 """Check a DDP script for the classic mistakes by running it briefly: ``check_script``.
 
-The script runs unchanged on simulated nodes (``ddpnb.launch``), with ``ddpnb.observe``
-loaded into every worker from outside (a ``sitecustomize.py`` on ``PYTHONPATH``). The
-observation records what each rank did and ends the script a few optimizer steps into
-its second epoch; this module reads the records and names each mistake with the
-script's line, what was measured, why it matters and the fix. A finding needs evidence
-from the run: what could not be observed is listed as not checked, never guessed.
+The script runs unchanged on simulated nodes (``ddpnb.launch``) with ``ddpnb.observe`` loaded
+into every worker, which records what each rank did and ends the script a few optimizer steps
+into its second epoch. This module reads the records and names each mistake with the script's
+line, what was measured, why it matters and the fix. A finding needs evidence from the run:
+what could not be observed is listed as not checked, never guessed.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import tempfile
 import textwrap
 import time
 from collections import Counter, defaultdict
-from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -31,6 +29,9 @@ from .errors import DdpnbError, RunFailed, RunHung
 WAIT_MARGIN_SECONDS = 30.0  # beyond the workers' own bound, before the check stops the run
 HANG_SECONDS = 10.0  # no rank moved, ranks in collectives: the check calls it a hang
 WATCH_INTERVAL = "0.5"  # seconds between the workers' stack snapshots during a check
+LAUNCH = dict(
+    wait=False, progress="none", overwrite=True, max_restarts=0, hang_timeout=HANG_SECONDS
+)
 
 TITLES = {
     1: "Ranks train on the same samples",
@@ -44,24 +45,78 @@ TITLES = {
     9: "Ranks call different collectives (the run hangs)",
     10: "The script starts its own ranks under torchrun (mp.spawn)",
 }
+# Why each mistake matters, where that does not depend on what the run showed.
+WHY = {
+    2: "DistributedSampler shuffles with seed + epoch: with the same epoch every epoch "
+    "repeats epoch 1's order and each rank sees the same shard forever, which hurts "
+    "generalisation (pytorch #31771).",
+    3: "Without DDP nothing averages the gradients: each rank trains its own model on its "
+    "own shard, and the model rank 0 saves has learned from 1/world_size of the data.",
+    4: "DDP all-reduces gradients at every step: a rank with an extra batch waits for "
+    "peers that have moved on (a hang until the timeout, or collectives that do not "
+    "match: gloo aborts), or steps pair up across epochs and batches are silently dropped.",
+    6: "Ranks writing one file race: on a shared filesystem the file can end up torn or "
+    "mixed, and a reader (a resume) may load it half-written. Every rank holds the same "
+    "weights, so one copy is enough.",
+    8: "GPUs are numbered per node: on the second node global ranks start at "
+    "nproc_per_node, past its last GPU (invalid device ordinal), or ranks of one node "
+    "share a GPU while others stay idle.",
+    9: "Collectives pair up by their order on each rank, not by their line: a call that some "
+    "ranks make and others do not (or make from another place) leaves ranks waiting for "
+    "partners that never come — silent until the process group's timeout (30 minutes on "
+    "gloo, 10 on NCCL, by default) — or pairs later calls with the wrong partners, so the run "
+    "exchanges the wrong tensors and hangs only epochs later.",
+    10: "torchrun already starts one process per rank and sets RANK, LOCAL_RANK, WORLD_SIZE, "
+    "MASTER_ADDR and MASTER_PORT. A script written for mp.spawn (pytorch/examples' "
+    "multigpu.py) starts nnodes x nproc_per_node jobs of its own, each with its own "
+    "address and port: they clash on the port or wait for each other forever.",
+}
+FIX = {
+    1: "sampler = DistributedSampler(train_set) (its num_replicas and rank come from the "
+    "process group); DataLoader(train_set, batch_size=..., sampler=sampler) without "
+    "shuffle=True; and sampler.set_epoch(epoch) at the start of every epoch.",
+    2: "for epoch in range(epochs): sampler.set_epoch(epoch), before iterating the loader.",
+    3: "model = DistributedDataParallel(model) (device_ids=[local_rank] on GPUs) after "
+    "moving it to its device and before creating the optimizer; call model(x), not a copy.",
+    4: "Give every rank the same number of batches: DistributedSampler(train_set) (it pads "
+    "the shards to equal length), or drop_last=True, or a per-epoch step count that is "
+    "the same on every rank.",
+    5: "Shard evaluation exactly: Subset(val_set, range(rank, len(val_set), world_size)) "
+    "(no padding), then all_reduce the sums and counts and divide once.",
+    6: "if dist.get_rank() == 0: torch.save(...); then dist.barrier() before any rank reads it.",
+    7: "dist.init_process_group(backend) with no init_method, rank or world_size: torchrun "
+    "sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE on every node (env://), and "
+    "--master_addr names node 0's address that every node can reach.",
+    8: "local_rank = int(os.environ['LOCAL_RANK']); torch.cuda.set_device(local_rank); "
+    "device = torch.device('cuda', local_rank); DDP(model, device_ids=[local_rank]).",
+    9: "Call every collective on every rank, in the same order: keep dist.barrier() and "
+    "all_reduce out of `if rank == 0:`; evaluate on rank 0 through model.module (the plain "
+    "model: no DDP collectives), or on every rank with a sharded set; give every rank the "
+    "same number of batches (DistributedSampler).",
+    10: "Drop mp.spawn: call main() once; rank = int(os.environ['RANK']), local_rank = "
+    "int(os.environ['LOCAL_RANK']), world_size = int(os.environ['WORLD_SIZE']); "
+    "dist.init_process_group(backend) without setting MASTER_ADDR or MASTER_PORT.",
+}
+NOWHERE = "(not in the script's files)"
 
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """One mistake, with the evidence for it.
-
-    ``number`` is the mistake's number in ``TITLES``; ``where`` is ``file:line`` in the
-    user's script and ``source`` that line's text (a notebook's ``%%writefile`` cell counts
-    its magic line, so the text is what finds the line); ``seen`` what the run showed
-    (measured); ``why`` why it matters; ``fix`` what to write instead.
-    """
+    """Mistake ``number`` (``TITLES``) at ``where`` (``file:line`` in the user's script):
+    ``seen`` what the run measured, ``why`` it matters (default ``WHY``), ``fix`` what to write
+    instead (default ``FIX``). ``source`` is the line's text (a notebook's ``%%writefile`` cell
+    counts its magic line, so the text is what finds the line)."""
 
     number: int
     where: str
     seen: str
-    why: str
-    fix: str
+    why: str = ""
+    fix: str = ""
     source: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "why", self.why or WHY.get(self.number, ""))
+        object.__setattr__(self, "fix", self.fix or FIX[self.number])
 
     @property
     def title(self) -> str:
@@ -72,10 +127,9 @@ class Finding:
 class ScriptReport:
     """What ``check_script`` found: ``findings``, ``facts``, what was ``checked``.
 
-    ``ok`` is True when the script ran and no mistake was found; ``exit_code`` is the
-    CLI's (0 clean, 1 mistakes, 2 the script could not run — ``error`` holds why, with
-    its traceback — or could not be checked: ``unchecked`` says why, e.g. no optimizer
-    step was observed). ``pids`` are the run's processes (agents and workers), all ended.
+    ``exit_code`` is the CLI's: 0 clean (``ok``), 1 mistakes, 2 the script could not run
+    (``error``: why, with its traceback) or could not be checked (``unchecked``: why, e.g. no
+    optimizer step was observed). ``pids`` are the run's processes (agents, workers), all ended.
     """
 
     script: str
@@ -178,28 +232,18 @@ def check_script(
 ) -> ScriptReport:
     """Run a DDP script briefly on simulated nodes and check it for the classic mistakes.
 
-    Parameters
-    ----------
-    script:
-        A :class:`ddpnb.Script` (or the path of a script taking no arguments). It is not
-        edited and needs nothing of ddpnb.
-    nnodes, nproc_per_node:
-        The simulated layout (on this machine, gloo or NCCL as the script chooses).
-    run_dir:
-        Where the check runs (``run/`` the script's working directory, ``observe/`` the
-        records); default a temporary folder, removed afterwards.
-    steps, seconds, timeout:
-        The script is ended ``steps`` optimizer steps into its second epoch, or
-        ``seconds`` after its first step, and every worker after ``timeout`` seconds.
+    ``script`` is a :class:`ddpnb.Script` (or the path of a script taking no arguments), not
+    edited, needing nothing of ddpnb; ``nnodes`` x ``nproc_per_node`` the simulated layout.
+    ``run_dir``: where the check runs (``run/`` the script's working directory, ``observe/``
+    the records); default a temporary folder, removed afterwards. The script is ended
+    ``steps`` optimizer steps into its second epoch, or ``seconds`` after its first step, and
+    every worker after ``timeout`` seconds. Raises :class:`~ddpnb.errors.ConfigError` when
+    the script or the layout is invalid (nothing started).
 
-    Returns a :class:`ScriptReport`; raises :class:`~ddpnb.errors.ConfigError` when the
-    script or the layout is invalid (nothing started).
-
-    Example
-    -------
     >>> report = check_script(Script("train.py", args=["--epochs", "100"]))  # doctest: +SKIP
     >>> report.ok, [f.title for f in report.findings]                        # doctest: +SKIP
     """
+    from . import observe, watch
     from .launch import launch
     from .script import Script
 
@@ -208,21 +252,16 @@ def check_script(
     observe_dir = root / "observe"
     shutil.rmtree(observe_dir, ignore_errors=True)
     observe_dir.mkdir(parents=True)
-    env = _observe_env(observe_dir.resolve(), steps, seconds, timeout)
+    env = {
+        watch.INTERVAL_ENV: WATCH_INTERVAL,
+        observe.DIR_ENV: str(observe_dir.resolve()),
+        observe.STEPS_ENV: str(steps),
+        observe.SECONDS_ENV: str(seconds),
+        observe.TIMEOUT_ENV: str(timeout),
+    }
     started = time.monotonic()
     try:
-        job = launch(
-            script,
-            root / "run",
-            nnodes,
-            nproc_per_node,
-            wait=False,
-            env=env,
-            progress="none",
-            overwrite=True,
-            max_restarts=0,
-            hang_timeout=HANG_SECONDS,
-        )
+        job = launch(script, root / "run", nnodes, nproc_per_node, env=env, **LAUNCH)
         pids = set(job.pids())
         error, hung = _wait(job, timeout + WAIT_MARGIN_SECONDS)
         records = load_records(observe_dir)
@@ -231,24 +270,9 @@ def check_script(
     finally:
         if run_dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    report.script, report.seconds, report.pids = (
-        script.name,
-        time.monotonic() - started,
-        sorted(pids),
-    )
+    report.script, report.seconds = script.name, time.monotonic() - started
+    report.pids = sorted(pids)
     return report
-
-
-def _observe_env(folder: Path, steps: int, seconds: float, timeout: float) -> dict[str, str]:
-    from . import observe, watch
-
-    return {
-        watch.INTERVAL_ENV: WATCH_INTERVAL,
-        observe.DIR_ENV: str(folder),
-        observe.STEPS_ENV: str(steps),
-        observe.SECONDS_ENV: str(seconds),
-        observe.TIMEOUT_ENV: str(timeout),
-    }
 
 
 def _wait(job, timeout: float) -> tuple[str | None, RunHung | None]:
@@ -272,9 +296,8 @@ def _wait(job, timeout: float) -> tuple[str | None, RunHung | None]:
 def load_records(folder: str | os.PathLike) -> dict[int, list[dict]]:
     """Every rank's records, by global rank."""
     out = {}
-    for path in sorted(Path(folder).glob("rank-*.jsonl")):
-        lines = path.read_text().splitlines()
-        records = [json.loads(line) for line in lines if line.strip()]
+    for path in Path(folder).glob("rank-*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if records:
             out[int(path.stem.split("-")[1])] = records
     return dict(sorted(out.items()))
@@ -284,7 +307,7 @@ def load_records(folder: str | os.PathLike) -> dict[int, list[dict]]:
 
 
 def _at(where: dict | None) -> str:
-    return f"{where['file']}:{where['line']}" if where else "(not in the script's files)"
+    return f"{where['file']}:{where['line']}" if where else NOWHERE
 
 
 class _Rank:
@@ -301,16 +324,20 @@ class _Rank:
         self.loaders = {r["id"]: r for r in self.kinds["loader"]}
         self.samplers = {r["id"]: r for r in self.kinds["sampler"]}
         self.train = [p for p in self.passes if p["steps"] > 0]
+        self.eval_passes = [
+            p
+            for p in self.passes
+            if p["source"] == "loader" and p["steps"] == 0 and not (p["grad"] and p["training"])
+        ]
 
     def __getitem__(self, kind: str) -> list[dict]:
         return self.kinds.get(kind, [])
 
     def sampler_pass(self, p: dict) -> dict | None:
         """The DistributedSampler pass that gave pass ``p`` its indices (or was ``p``)."""
-        for s in self["sampler_pass"]:
-            if s["loader_pass"] == p["pass"] or s["pass"] == p["pass"]:
-                return s
-        return None
+        return next(
+            (s for s in self["sampler_pass"] if p["pass"] in (s["loader_pass"], s["pass"])), None
+        )
 
     def levels(self, p: dict) -> list[list[int]] | None:
         """The pass's indices at each Subset level (outermost first); None if none were seen."""
@@ -325,24 +352,19 @@ class _Rank:
         return [{"len": self.samplers.get(p["obj"], {}).get("dataset_len"), "id": p["obj"]}]
 
     def epoch_done(self, k: int) -> bool:
-        ended = any(e["epoch"] == k for e in self["epoch_end"])
-        return ended or len(self.train) > k
+        return any(e["epoch"] == k for e in self["epoch_end"]) or len(self.train) > k
 
-    @property
-    def eval_passes(self) -> list[dict]:
-        return [
-            p
-            for p in self.passes
-            if p["source"] == "loader" and p["steps"] == 0 and not (p["grad"] and p["training"])
-        ]
+    def source(self, p: dict) -> tuple[dict, str]:
+        """The record that made the pass (a loader or a sampler) and a short description."""
+        if p["source"] == "loader":
+            loader = self.loaders.get(p["obj"], {})
+            return loader, f"a DataLoader with a {loader.get('sampler', '?')}"
+        return self.samplers.get(p["obj"], {}), "a DistributedSampler"
 
 
 def _common(ranks: list[_Rank], passes: list[dict]) -> tuple[list[list[int]], int | None] | None:
-    """The passes' indices at the first dataset level every rank shares, and that level's size.
-
-    A rank's own shard (``Subset(val, range(rank, n, world))``) differs between ranks; the
-    dataset inside it does not, and is where indices are compared.
-    """
+    """The passes' indices at the first dataset level every rank shares, and that level's size
+    (a rank's own shard, ``Subset(val, range(rank, n, world))``, is not: the set inside it is)."""
     levels = [r.levels(p) for r, p in zip(ranks, passes)]
     layers = [r.layers(p) for r, p in zip(ranks, passes)]
     if any(lv is None for lv in levels):
@@ -354,15 +376,7 @@ def _common(ranks: list[_Rank], passes: list[dict]) -> tuple[list[list[int]], in
     return [lv[depth - 1] for lv in levels], None
 
 
-def _source(rank: _Rank, p: dict) -> tuple[dict, str]:
-    """The record that made the pass (a loader or a sampler) and a short description."""
-    if p["source"] == "loader":
-        loader = rank.loaders.get(p["obj"], {})
-        return loader, f"a DataLoader with a {loader.get('sampler', '?')}"
-    return rank.samplers.get(p["obj"], {}), "a DistributedSampler"
-
-
-# -- the analysis ---------------------------------------------------------------------------
+# -- the analysis: each check returns its findings and its notes of what it checked ----------
 
 
 def analyse(
@@ -377,27 +391,23 @@ def analyse(
     ranks = [_Rank(r) for r in records.values() if any(x["kind"] == "start" for x in r)]
     world = nnodes * nproc_per_node
     layout = f"{nnodes} node(s) x {nproc_per_node} process(es)"
-    findings: list[Finding] = []
-    checked: list[str] = []
+    out: list = []
     if len(ranks) < world:
-        checked.append(f"Records of {len(ranks)} of {world} ranks: the others never started.")
+        out.append(f"Records of {len(ranks)} of {world} ranks: the others never started.")
     checks = (_sharding, _set_epoch, _replicas, _steps, _evaluation, _saves, _devices)
-    in_run_dir = (_rendezvous, _spawn, _collectives)
-    for check in (*checks, *(partial(c, run_dir=run_dir) for c in in_run_dir)):
-        if ranks:
-            found, notes = check(ranks, world)
-            findings += found
-            checked += notes
-    found, notes = _stall(ranks, hung, run_dir)
-    findings, checked = findings + found, checked + notes
-    findings = [dataclasses.replace(f, source=_line_text(run_dir, f.where)) for f in findings]
+    for check in (*checks, _rendezvous, _spawn, _collectives) if ranks else ():
+        out += check(ranks, world, run_dir)
+    out += _stall(ranks, hung)
+    found = [f for f in out if isinstance(f, Finding)]
+    findings = [dataclasses.replace(f, source=_line_text(run_dir, f.where)) for f in found]
     findings.sort(key=lambda f: f.number)
     ends = sorted({e["reason"] for r in ranks for e in r["end"]})
     if hung is not None:
         ends.append(f"stopped by the check's hang watch (no rank moved for {HANG_SECONDS:g} s)")
     ended = "; ".join(ends) or "no rank reported how it ended"
-    facts = _facts(ranks, world, layout)
+    checked = [n for n in out if isinstance(n, str)]
     unchecked = None if findings or error else _unchecked(ranks)
+    facts = _facts(ranks, world, layout)
     return ScriptReport("", layout, findings, facts, checked, ended, error, unchecked=unchecked)
 
 
@@ -428,25 +438,22 @@ def _facts(ranks: list[_Rank], world: int, layout: str) -> dict[str, str]:
         )
     elif trained:
         facts["batch size per rank"] = "not seen (batches made without a DataLoader)"
+    per_rank = {}  # each rank's first epoch: its steps, or its loader's length if unfinished
+    for r in trained:
+        holds = r.train[0].get("expected")
+        holds = f"{holds} (len of the loader; epoch 1 not finished)" if holds else "?"
+        per_rank[r.rank] = (r.train[0]["n"], r.train[0]["steps"] if r.epoch_done(1) else holds)
     if trained:
         facts["training samples per epoch"] = ", ".join(
-            f"rank {r.rank}: {r.train[0]['n']}" for r in trained
+            f"rank {k}: {n}" for k, (n, _) in per_rank.items()
         )
-        facts["steps per epoch"] = ", ".join(
-            f"rank {r.rank}: {r.train[0]['steps'] if r.epoch_done(1) else _expected(r)}"
-            for r in trained
-        )
+        facts["steps per epoch"] = ", ".join(f"rank {k}: {s}" for k, (_, s) in per_rank.items())
     steps = [e["steps"] for r in ranks for e in r["end"]]
     if steps:
         facts["optimizer steps observed"] = f"{min(steps)} to {max(steps)} per rank"
     ddp = [d for r in ranks for d in r["ddp"]]
     facts["DistributedDataParallel"] = _at(ddp[0]["where"]) if ddp else "not constructed"
     return facts
-
-
-def _expected(rank: _Rank) -> str:
-    expected = rank.train[0].get("expected")
-    return f"{expected} (len of the loader; epoch 1 not finished)" if expected else "?"
 
 
 def _no_pass(ranks: list[_Rank]) -> str:
@@ -456,17 +463,19 @@ def _no_pass(ranks: list[_Rank]) -> str:
     return "no optimizer step"
 
 
-def _sharding(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+def _sharding(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """1: the ranks' training samples in epoch 1 should be disjoint (but for padding)."""
     trained = [r for r in ranks if r.train]
     if world < 2 or len(trained) < 2:
-        why = "fewer than two ranks took an optimizer step"
-        if world >= 2 and not trained:
-            why = _no_pass(ranks)
-        return [], [f"Training shards: not checked ({why})."]
+        why = (
+            _no_pass(ranks)
+            if world >= 2 and not trained
+            else "fewer than two ranks took an optimizer step"
+        )
+        return [f"Training shards: not checked ({why})."]
     common = _common(trained, [r.train[0] for r in trained])
     if common is None:
-        return [], [
+        return [
             "Training shards: not checked (the training data has no sample indices: an "
             "IterableDataset, or batches made without a DataLoader or DistributedSampler)."
         ]
@@ -474,11 +483,11 @@ def _sharding(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]
     counts = Counter(i for idx in indices for i in set(idx))
     shared = sum(1 for c in counts.values() if c > 1)
     if shared <= world - 1:  # a DistributedSampler pads with at most world - 1 repeats
-        return [], [
+        return [
             f"Training shards: in epoch 1 the ranks' samples overlap in {shared} of "
             f"{len(counts)} (padding adds at most {world - 1}): each rank trains on its own shard."
         ]
-    record, what = _source(trained[0], trained[0].train[0])
+    record, what = trained[0].source(trained[0].train[0])
     per_rank = ", ".join(f"rank {r.rank} drew {len(set(i))}" for r, i in zip(trained, indices))
     seen = (
         f"In epoch 1, {shared} of the {len(counts)} training samples were drawn by more than "
@@ -494,15 +503,10 @@ def _sharding(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]
         f"Every rank trains on the same data: {world} ranks do the same epoch {world} times, "
         "and the run is no faster than one process (each step averages near-identical gradients)."
     )
-    fix = (
-        "sampler = DistributedSampler(train_set) (its num_replicas and rank come from the "
-        "process group); DataLoader(train_set, batch_size=..., sampler=sampler) without "
-        "shuffle=True; and sampler.set_epoch(epoch) at the start of every epoch."
-    )
-    return [Finding(1, _at(record.get("where")), seen, why, fix)], []
+    return [Finding(1, _at(record.get("where")), seen, why)]
 
 
-def _set_epoch(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+def _set_epoch(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """2: a shuffling DistributedSampler must draw a new order every epoch."""
     pairs = []
     for r in ranks:
@@ -519,33 +523,26 @@ def _set_epoch(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]
             if trained < 2
             else "the training data does not come from a DistributedSampler"
         )
-        return [], [f"New order every epoch (set_epoch): not checked ({reason})."]
+        return [f"New order every epoch (set_epoch): not checked ({reason})."]
     rank, first, second = pairs[0]
     sampler = rank.samplers.get(first["sampler"], {})
     same = [r.rank for r, a, b in pairs if a["indices"] == b["indices"]]
     if not sampler.get("shuffle", True) or len(same) < len(pairs):
-        return [], ["New order every epoch: epochs 1 and 2 drew different orders on every rank."]
+        return ["New order every epoch: epochs 1 and 2 drew different orders on every rank."]
     calls = [s for s in rank["set_epoch"] if s["sampler"] == first["sampler"]]
     if calls:
         where = _at(calls[-1]["where"])
         how = f"set_epoch was called with {first['epoch']} in both epochs (at {where})"
     else:
-        where = _at(sampler.get("where"))
-        how = "set_epoch was never called"
+        where, how = _at(sampler.get("where")), "set_epoch was never called"
     seen = (
         f"Rank(s) {', '.join(map(str, same))} drew the same {first['n']} samples in the same "
         f"order in epochs 1 and 2: the sampler's epoch was {first['epoch']} both times; {how}."
     )
-    why = (
-        "DistributedSampler shuffles with seed + epoch: with the same epoch every epoch "
-        "repeats epoch 1's order and each rank sees the same shard forever, which hurts "
-        "generalisation (pytorch #31771)."
-    )
-    fix = "for epoch in range(epochs): sampler.set_epoch(epoch), before iterating the loader."
-    return [Finding(2, where, seen, why, fix)], []
+    return [Finding(2, where, seen)]
 
 
-def _replicas(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+def _replicas(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """3: after the same optimizer step every rank must hold the same parameters."""
     sums: dict[int, dict[int, str]] = defaultdict(dict)
     for r in ranks:
@@ -553,13 +550,13 @@ def _replicas(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]
             if "params" in rec:
                 sums[rec["n"]][r.rank] = rec["params"]
     common = sorted(n for n, by_rank in sums.items() if len(by_rank) == len(ranks))
-    ddp = [d for r in ranks for d in r["ddp"]]
     if world < 2 or not common:
-        return [], ["Identical replicas: not checked (no optimizer step on every rank)."]
+        return ["Identical replicas: not checked (no optimizer step on every rank)."]
+    ddp = [d for r in ranks for d in r["ddp"]]
     differ = [n for n in common if len(set(sums[n].values())) > 1]
     wrapped = f"DDP wraps the model at {_at(ddp[0]['where'])}" if ddp else "no DDP on any rank"
     if not differ:
-        return [], [
+        return [
             f"Identical replicas: every rank held the same parameters after optimizer steps "
             f"{', '.join(map(str, common))} ({wrapped})."
         ]
@@ -576,102 +573,79 @@ def _replicas(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]
             else "no DistributedDataParallel was constructed on any rank."
         )
     )
-    why = (
-        "Without DDP nothing averages the gradients: each rank trains its own model on its "
-        "own shard, and the model rank 0 saves has learned from 1/world_size of the data."
-    )
-    fix = (
-        "model = DistributedDataParallel(model) (device_ids=[local_rank] on GPUs) after "
-        "moving it to its device and before creating the optimizer; call model(x), not a copy."
-    )
-    return [Finding(3, where, seen, why, fix)], []
+    return [Finding(3, where, seen)]
 
 
-def _steps(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+def _steps(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """4: every rank must take the same number of optimizer steps in an epoch."""
     epochs = max((len(r.train) for r in ranks), default=0)
     for k in range(1, epochs + 1):
-        done = {
-            r.rank: r.train[k - 1]["steps"] for r in ranks if r.epoch_done(k) and len(r.train) >= k
-        }
+        mine = [(r, r.train[k - 1]) for r in ranks if len(r.train) >= k]
+        done = {r.rank: p["steps"] for r, p in mine if r.epoch_done(k)}
         if not done:
             continue
         shortest = min(done.values())
-        behind = {
-            r.rank: r.train[k - 1]["batches"]
-            for r in ranks
-            if not r.epoch_done(k) and len(r.train) >= k and r.train[k - 1]["batches"] > shortest
-        }
+        behind = {r.rank: p for r, p in mine if not r.epoch_done(k) and p["batches"] > shortest}
         if len(set(done.values())) > 1 or behind:
-            return [_steps_finding(ranks, k, done, behind)], []
+            parts = [
+                f"rank {r} ended it after {n} optimizer steps" for r, n in sorted(done.items())
+            ]
+            for r, p in sorted(behind.items()):
+                holds = p.get("expected")
+                parts.append(
+                    f"rank {r} had drawn {p['batches']} batches"
+                    + (f" of the {holds} its loader holds" if holds else "")
+                    + " and was still in it"
+                )
+            rank = next(r for r, _ in mine if r.rank == min(done))
+            record, what = rank.source(rank.train[k - 1])
+            seen = f"Epoch {k}: {'; '.join(parts)}. The training data comes from {what}."
+            return [Finding(4, _at(record.get("where")), seen)]
     if epochs == 0:
-        return [], [f"Steps per epoch: not checked ({_no_pass(ranks)})."]
-    return [], ["Steps per epoch: every rank that ended an epoch took the same number of steps."]
+        return [f"Steps per epoch: not checked ({_no_pass(ranks)})."]
+    return ["Steps per epoch: every rank that ended an epoch took the same number of steps."]
 
 
-def _steps_finding(ranks, k: int, done: dict, behind: dict) -> Finding:
-    by_rank = {r.rank: r for r in ranks}
-    parts = [f"rank {r} ended it after {n} optimizer steps" for r, n in sorted(done.items())]
-    for r, batches in sorted(behind.items()):
-        holds = by_rank[r].train[k - 1].get("expected")
-        parts.append(
-            f"rank {r} had drawn {batches} batches"
-            + (f" of the {holds} its loader holds" if holds else "")
-            + " and was still in it"
-        )
-    rank = by_rank[min(done)]
-    record, what = _source(rank, rank.train[k - 1])
-    seen = f"Epoch {k}: {'; '.join(parts)}. The training data comes from {what}."
-    why = (
-        "DDP all-reduces gradients at every step: a rank with an extra batch waits for "
-        "peers that have moved on (a hang until the timeout, or collectives that do not "
-        "match: gloo aborts), or steps pair up across epochs and batches are silently dropped."
-    )
-    fix = (
-        "Give every rank the same number of batches: DistributedSampler(train_set) (it pads "
-        "the shards to equal length), or drop_last=True, or a per-epoch step count that is "
-        "the same on every rank."
-    )
-    return Finding(4, _at(record.get("where")), seen, why, fix)
-
-
-def _evaluation(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+def _evaluation(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """5: over all ranks, evaluation must visit every sample of its set exactly once."""
-    loaders = [lid for lid in dict.fromkeys(p["obj"] for p in ranks[0].eval_passes)]
+    loaders = list(dict.fromkeys(p["obj"] for p in ranks[0].eval_passes))
     if not loaders:
-        return [], [
+        return [
             "Evaluation: no evaluation pass ran before the check ended the script (a "
             "DataLoader iterated under torch.no_grad() or model.eval() without optimizer "
             "steps): how it shards and counts samples was not checked."
         ]
-    findings, notes = [], []
+    out = []
     for lid in loaders:
         passes = [next((p for p in r.eval_passes if p["obj"] == lid), None) for r in ranks]
         done = [(r, p) for r, p in zip(ranks, passes) if p is not None and p["exhausted"]]
-        if not done:
-            notes.append(f"Evaluation loader {lid}: no rank finished a pass; not checked.")
-            continue
-        # Ranks that do not evaluate (evaluation on rank 0 only) add nothing to count.
-        found, note = _eval_coverage([r for r, _ in done], [p for _, p in done], world)
-        findings += found
-        notes += note
-    return findings, notes
+        if done:  # ranks that do not evaluate (evaluation on rank 0 only) add nothing to count
+            out += _eval_coverage([r for r, _ in done], [p for _, p in done], world)
+        else:
+            out.append(f"Evaluation loader {lid}: no rank finished a pass; not checked.")
+    return out
 
 
-def _eval_coverage(ranks, passes, world) -> tuple[list[Finding], list[str]]:
+def _eval_coverage(ranks: list[_Rank], passes: list[dict], world: int) -> list:
     common = _common(ranks, passes)
-    record, _ = _source(ranks[0], passes[0])
-    where = _at(record.get("where"))
+    where = _at(ranks[0].source(passes[0])[0].get("where"))
     if common is None:
-        return [], [f"Evaluation at {where}: no sample indices seen; not checked."]
+        return [f"Evaluation at {where}: no sample indices seen; not checked."]
     indices, size = common
     counts = Counter(i for idx in indices for i in idx)
     drawn = sum(counts.values())
     twice = {i: c for i, c in counts.items() if c > 1}
     missing = (size - len(counts)) if size is not None else 0
-    reduced = _reduction_note(ranks[0], passes[0])
+    calls = [c for c in ranks[0]["collective"] if c["pass"] == passes[0]["pass"]]
+    if calls:
+        reduced = f"Results are then combined ({calls[0]['op']} at {_at(calls[0]['where'])})."
+    else:
+        reduced = (
+            "No collective followed the evaluation before training went on, so each rank's "
+            "result covers its own samples only (what the script prints is not observed)."
+        )
     if not twice and missing <= 0:
-        return [], [
+        return [
             f"Evaluation at {where}: {len(ranks)} of {world} ranks evaluated {drawn} samples, "
             f"each of the {len(counts)} once. {reduced}"
         ]
@@ -683,7 +657,7 @@ def _eval_coverage(ranks, passes, world) -> tuple[list[Finding], list[str]]:
     else:
         parts = (
             [f"{len(twice)} sample(s) evaluated twice or more (e.g. index {min(twice)})"]
-            if (twice)
+            if twice
             else []
         )
         parts += [f"{missing} never evaluated"] if missing > 0 else []
@@ -694,24 +668,10 @@ def _eval_coverage(ranks, passes, world) -> tuple[list[Finding], list[str]]:
         "skipped one not at all: the metric is not the set's, and it changes with the world "
         f"size. {reduced}"
     )
-    fix = (
-        "Shard evaluation exactly: Subset(val_set, range(rank, len(val_set), world_size)) "
-        "(no padding), then all_reduce the sums and counts and divide once."
-    )
-    return [Finding(5, where, seen + f" Loader created at {where}.", why, fix)], []
+    return [Finding(5, where, seen + f" Loader created at {where}.", why)]
 
 
-def _reduction_note(rank: _Rank, p: dict) -> str:
-    calls = [c for c in rank["collective"] if c["pass"] == p["pass"]]
-    if calls:
-        return f"Results are then combined ({calls[0]['op']} at {_at(calls[0]['where'])})."
-    return (
-        "No collective followed the evaluation before training went on, so each rank's "
-        "result covers its own samples only (what the script prints is not observed)."
-    )
-
-
-def _saves(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+def _saves(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """6: a file path written with torch.save by more than one rank."""
     writers: dict[str, set[int]] = defaultdict(set)
     where: dict[str, str] = {}
@@ -721,75 +681,46 @@ def _saves(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
                 writers[s["path"]].add(r.rank)
                 where.setdefault(s["path"], _at(s["where"]))
     if not writers:
-        return [], ["Checkpoint writes: no torch.save before the check ended the script."]
+        return ["Checkpoint writes: no torch.save before the check ended the script."]
     shared = {p: w for p, w in writers.items() if len(w) > 1}
     if not shared:
-        return [], [f"Checkpoint writes: {len(writers)} file(s), each written by one rank."]
+        return [f"Checkpoint writes: {len(writers)} file(s), each written by one rank."]
     path, ranks_writing = next(iter(shared.items()))
     seen = (
-        f"Ranks {', '.join(map(str, sorted(ranks_writing)))} all wrote {_short(path)} "
-        f"(torch.save at {where[path]})"
+        f"Ranks {', '.join(map(str, sorted(ranks_writing)))} all wrote "
+        f"{Path(path).name if '/run/' in path else path} (torch.save at {where[path]})"
         + (f", and {len(shared) - 1} other file(s) likewise." if len(shared) > 1 else ".")
     )
-    why = (
-        "Ranks writing one file race: on a shared filesystem the file can end up torn or "
-        "mixed, and a reader (a resume) may load it half-written. Every rank holds the same "
-        "weights, so one copy is enough."
-    )
-    fix = "if dist.get_rank() == 0: torch.save(...); then dist.barrier() before any rank reads it."
-    return [Finding(6, where[path], seen, why, fix)], []
+    return [Finding(6, where[path], seen)]
 
 
-def _short(path: str) -> str:
-    return Path(path).name if "/run/" in path else path
-
-
-def _devices(ranks: list[_Rank], world: int) -> tuple[list[Finding], list[str]]:
+def _devices(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """8: on GPUs each process must use the GPU of its local rank."""
     chosen = [(r, d) for r in ranks for d in r["device"]]
     if not chosen:
-        return [], ["GPU per process: not checked (no CUDA device was chosen in this run)."]
+        return ["GPU per process: not checked (no CUDA device was chosen in this run)."]
     wrong = [(r, d) for r, d in chosen if d["index"] != r.local_rank and d["index"] == r.rank]
     if not wrong:
-        return [], ["GPU per process: every CUDA device chosen was the local rank's."]
+        return ["GPU per process: every CUDA device chosen was the local rank's."]
     r, d = wrong[0]
     seen = (
         f"Rank {r.rank} (local rank {r.local_rank}) chose cuda:{d['index']} with {d['call']}: "
         "the global rank."
     )
-    why = (
-        "GPUs are numbered per node: on the second node global ranks start at "
-        "nproc_per_node, past its last GPU (invalid device ordinal), or ranks of one node "
-        "share a GPU while others stay idle."
-    )
-    fix = (
-        "local_rank = int(os.environ['LOCAL_RANK']); torch.cuda.set_device(local_rank); "
-        "device = torch.device('cuda', local_rank); DDP(model, device_ids=[local_rank])."
-    )
-    return [Finding(8, _at(d.get("where")), seen, why, fix)], []
+    return [Finding(8, _at(d.get("where")), seen)]
 
 
 # -- 7: the rendezvous ----------------------------------------------------------------------
 
 
-def _rendezvous(
-    ranks: list[_Rank], world: int, *, run_dir: Path
-) -> tuple[list[Finding], list[str]]:
+def _rendezvous(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """7: init_method / MASTER_ADDR on loopback; rank or world size not torchrun's."""
-    found: dict[tuple, Finding] = {}
-    for r in ranks:
-        for init in r["init"]:
-            for f in _init_findings(init, run_dir):
-                found.setdefault((f.where, f.seen), f)
-        for s in r["setenv"]:
-            f = _setenv_finding(s)
-            if f is not None:
-                found.setdefault((f.where, f.seen), f)
+    found = {(f.where, f.seen): f for r in ranks for f in _rendezvous_findings(r, run_dir)}
     if found:
-        return list(found.values()), []
+        return list(found.values())
     if not any(r["init"] for r in ranks):
-        return [], ["Rendezvous: init_process_group was not called; not checked."]
-    return [], [
+        return ["Rendezvous: init_process_group was not called; not checked."]
+    return [
         "Rendezvous: init_process_group takes its address, rank and world size from "
         "torchrun's environment (env://) on every rank."
     ]
@@ -801,56 +732,62 @@ def _loopback(host: str | None) -> bool:
     return bool(host) and is_loopback(host)
 
 
-SPAN_FIX = (
-    "dist.init_process_group(backend) with no init_method, rank or world_size: torchrun "
-    "sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE on every node (env://), and "
-    "--master_addr names node 0's address that every node can reach."
-)
+def _rendezvous_findings(rank: _Rank, run_dir: Path):
+    """7 on one rank: its init_process_group calls, its writes of os.environ."""
+    for init in rank["init"]:
+        where, env = _at(init["where"]), init["env"]
+        method = init.get("init_method")
+        host = urlparse(method).hostname if isinstance(method, str) else None
+        if isinstance(method, str) and method.startswith("tcp://") and _loopback(host):
+            seen = f"init_method={method!r}: {host} is this machine, on every machine."
+            why = (
+                "It runs while every process is on one host. On two nodes, node 1 connects to "
+                "itself, never meets node 0, and waits until the rendezvous times out."
+            )
+            yield Finding(7, where, seen, why)
+        for key, env_key in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
+            value = init.get(key)
+            if value is not None and str(value) != env.get(env_key):
+                seen = (
+                    f"init_process_group({key}={value}) on the process torchrun started with "
+                    f"{env_key}={env.get(env_key)}; the check stopped it there (it would hang)."
+                )
+                why = f"Processes that disagree with torchrun about the {key.replace('_', ' ')} never form one group."
+                yield Finding(7, where, seen, why)
+        for key, value in _literal_args(run_dir, init["where"]).items():
+            if init.get(key) is not None and str(init.get(key)) == env.get(key.upper()):
+                seen = (
+                    f"{key}={value} is written into the script; it equals torchrun's "
+                    f"{key.upper()} in this check only because the check runs {env.get('WORLD_SIZE')} processes."
+                )
+                why = "With another number of nodes or processes per node the group never forms."
+                yield Finding(7, where, seen, why)
+    for s in rank["setenv"]:
+        key, value, where = s["key"], s["value"], _at(s["where"])
+        if key == "MASTER_ADDR" and _loopback(value):
+            seen = f"The script sets os.environ['MASTER_ADDR'] = {value!r}, replacing torchrun's."
+            why = (
+                f"{value} is this machine on every machine: node 1 looks for the rendezvous on "
+                "itself and never meets node 0."
+            )
+            yield Finding(7, where, seen, why)
+        elif key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            seen = f"The script sets os.environ[{key!r}] = {value!r}, replacing torchrun's value."
+            why = "torchrun numbers the processes; a number set by the script is right for one layout only."
+            yield Finding(7, where, seen, why)
 
 
-def _init_findings(init: dict, run_dir: Path) -> list[Finding]:
-    out = []
-    where = _at(init["where"])
-    method = init.get("init_method")
-    host = urlparse(method).hostname if isinstance(method, str) else None
-    if isinstance(method, str) and method.startswith("tcp://") and _loopback(host):
-        seen = f"init_method={method!r}: {host} is this machine, on every machine."
-        why = (
-            "It runs while every process is on one host. On two nodes, node 1 connects to "
-            "itself, never meets node 0, and waits until the rendezvous times out."
-        )
-        out.append(Finding(7, where, seen, why, SPAN_FIX))
-    env = init["env"]
-    for key, env_key in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
-        value = init.get(key)
-        if value is not None and str(value) != env.get(env_key):
-            seen = (
-                f"init_process_group({key}={value}) on the process torchrun started with "
-                f"{env_key}={env.get(env_key)}; the check stopped it there (it would hang)."
-            )
-            why = f"Processes that disagree with torchrun about the {key.replace('_', ' ')} never form one group."
-            out.append(Finding(7, where, seen, why, SPAN_FIX))
-    literal = _literal_args(run_dir, init["where"])
-    for key, value in literal.items():
-        if init.get(key) is not None and str(init.get(key)) == env.get(key.upper()):
-            seen = (
-                f"{key}={value} is written into the script; it equals torchrun's "
-                f"{key.upper()} in this check only because the check runs {env.get('WORLD_SIZE')} processes."
-            )
-            why = "With another number of nodes or processes per node the group never forms."
-            out.append(Finding(7, where, seen, why, SPAN_FIX))
-    return out
+def _tree(run_dir: Path, where: dict | None) -> ast.AST:
+    """The parsed file of the user's ``where`` (an empty module where there is none)."""
+    try:
+        return ast.parse((run_dir / where["file"]).read_text())
+    except (OSError, SyntaxError, ValueError, TypeError):
+        return ast.Module(body=[], type_ignores=[])
 
 
 def _literal_args(run_dir: Path, where: dict | None) -> dict[str, object]:
     """``rank``/``world_size`` given as literals in the init_process_group call at ``where``."""
-    if not where:
-        return {}
-    try:
-        tree = ast.parse((run_dir / where["file"]).read_text())
-    except (OSError, SyntaxError, ValueError):
-        return {}
-    for node in ast.walk(tree):
+    for node in ast.walk(_tree(run_dir, where)):
         if not isinstance(node, ast.Call) or not (
             node.lineno <= where["line"] <= (node.end_lineno or node.lineno)
         ):
@@ -869,42 +806,10 @@ def _literal_args(run_dir: Path, where: dict | None) -> dict[str, object]:
     return {}
 
 
-def _setenv_finding(s: dict) -> Finding | None:
-    key, value, where = s["key"], s["value"], _at(s["where"])
-    if key == "MASTER_ADDR" and _loopback(value):
-        seen = f"The script sets os.environ['MASTER_ADDR'] = {value!r}, replacing torchrun's."
-        why = (
-            f"{value} is this machine on every machine: node 1 looks for the rendezvous on "
-            "itself and never meets node 0."
-        )
-        return Finding(7, where, seen, why, SPAN_FIX)
-    if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        seen = f"The script sets os.environ[{key!r}] = {value!r}, replacing torchrun's value."
-        why = "torchrun numbers the processes; a number set by the script is right for one layout only."
-        return Finding(7, where, seen, why, SPAN_FIX)
-    return None
-
-
 # -- 9: collectives that do not pair up; 10: torch.multiprocessing.spawn -------------------
 
-ORDER_WHY = (
-    "Collectives pair up by their order on each rank, not by their line: a call that some "
-    "ranks make and others do not (or make from another place) leaves ranks waiting for "
-    "partners that never come — silent until the process group's timeout (30 minutes on "
-    "gloo, 10 on NCCL, by default) — or pairs later calls with the wrong partners, so the run "
-    "exchanges the wrong tensors and hangs only epochs later."
-)
-ORDER_FIX = (
-    "Call every collective on every rank, in the same order: keep dist.barrier() and "
-    "all_reduce out of `if rank == 0:`; evaluate on rank 0 through model.module (the plain "
-    "model: no DDP collectives), or on every rank with a sharded set; give every rank the "
-    "same number of batches (DistributedSampler)."
-)
 
-
-def _stall(
-    ranks: list[_Rank], hung: RunHung | None, run_dir: Path
-) -> tuple[list[Finding], list[str]]:
+def _stall(ranks: list[_Rank], hung: RunHung | None) -> list:
     """9: the run stopped moving with ranks waiting in collectives (the hang watch, or a rank
     the check's own stop could not reach)."""
     from .hang import Frame, RankState
@@ -914,21 +819,11 @@ def _stall(
     else:
         blocked = [(r, b) for r in ranks for b in r["blocked"]]
         if not blocked:
-            return [], ["Hangs: no rank was left waiting in a collective."]
+            return ["Hangs: no rank was left waiting in a collective."]
         states = [
-            RankState(
-                r.rank,
-                0,
-                "",
-                0,
-                "running",
-                0.0,
-                b["steps"],
-                True,
-                tuple(Frame(*f) for f in b["stack"]),
-                0.0,
-            )
+            RankState(r.rank, 0, "", 0, "running", 0.0, b["steps"], True, frames, 0.0)
             for r, b in blocked
+            for frames in [tuple(Frame(*f) for f in b["stack"])]
         ]
         stopped = sorted({r.rank for r in ranks} - {s.rank for s in states})
         what = (
@@ -938,48 +833,39 @@ def _stall(
         )
     waiting = [s for s in states if s.state == "running" and s.waits_in]
     first = (waiting or states)[0].mine
-    where = first.at if first is not None else "(not in the script's files)"
-    return [Finding(9, where, what, ORDER_WHY, ORDER_FIX)], []
+    return [Finding(9, first.at if first is not None else NOWHERE, what)]
 
 
-def _collectives(
-    ranks: list[_Rank], world: int, *, run_dir: Path
-) -> tuple[list[Finding], list[str]]:
+def _collectives(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """9: every rank must call the same collectives (its own and DDP's) in the same order."""
     seqs = {r.rank: r["collectives"][-1]["calls"] for r in ranks if r["collectives"]}
     if world < 2 or len(seqs) < 2:
-        return [], ["Order of collectives: not checked (fewer than two ranks recorded theirs)."]
+        return ["Order of collectives: not checked (fewer than two ranks recorded theirs)."]
     n = min(len(s) for s in seqs.values())
-    for i in range(n):
-        calls = {rank: tuple(s[i][:2]) for rank, s in seqs.items()}
-        if len(set(calls.values())) > 1:
-            return [_order_finding(i, calls, seqs, run_dir)], []
-    steps = {r.rank: (r["end"][-1]["reason"] if r["end"] else "") for r in ranks}
-    same_stop = len(set(steps.values())) == 1 and "optimizer step" in next(iter(steps.values()))
-    longer = {rank: tuple(s[n][:2]) for rank, s in seqs.items() if len(s) > n}
-    if same_stop and longer:
-        calls = {rank: longer.get(rank, ("no collective", None)) for rank in seqs}
-        return [_order_finding(n, calls, seqs, run_dir)], []
-    return [], [
-        f"Order of collectives: every rank called the same {n} collectives in the same order "
-        "(its own and DDP's: the parameter broadcast, buffer broadcasts, gradient all-reduces)."
-    ]
-
-
-def _order_finding(i: int, calls: dict, seqs: dict, run_dir: Path) -> Finding:
+    first = next((i for i in range(n) if len({tuple(s[i][:2]) for s in seqs.values()}) > 1), n)
+    calls = {rank: tuple(s[first][:2]) for rank, s in seqs.items() if len(s) > first}
+    if first == n:  # the same calls as far as every rank got: do some ranks call more?
+        ends = {r.rank: (r["end"][-1]["reason"] if r["end"] else "") for r in ranks}
+        same_stop = len(set(ends.values())) == 1 and "optimizer step" in next(iter(ends.values()))
+        if not (same_stop and calls):
+            return [
+                f"Order of collectives: every rank called the same {n} collectives in the same "
+                "order (its own and DDP's: the parameter broadcast, buffer broadcasts, gradient "
+                "all-reduces)."
+            ]
+        calls = {rank: calls.get(rank, ("no collective", None)) for rank in seqs}
     used = Counter(tuple(c[:2]) for s in seqs.values() for c in {tuple(x[:2]) for x in s})
     odd_rank = min(calls, key=lambda r: (used[calls[r]], r))  # the call fewest ranks ever make
     parts = [
-        f"rank {rank} called {op}" + (f" at {_quoted(run_dir, at)}" if at else "")
+        f"rank {rank} called {op}" + (f" at {at}" if at else "") + (f" ({text})" if text else "")
         for rank, (op, at) in sorted(calls.items())
+        for text in [_line_text(run_dir, at) if at else ""]
     ]
     seen = (
-        f"The ranks' collective #{i + 1} differs: {'; '.join(parts)}. From there on their "
+        f"The ranks' collective #{first + 1} differs: {'; '.join(parts)}. From there on their "
         "collectives pair up with the wrong partners."
     )
-    return Finding(
-        9, calls[odd_rank][1] or "(not in the script's files)", seen, ORDER_WHY, ORDER_FIX
-    )
+    return [Finding(9, calls[odd_rank][1] or NOWHERE, seen)]
 
 
 def _line_text(run_dir: Path, at: str) -> str:
@@ -991,17 +877,11 @@ def _line_text(run_dir: Path, at: str) -> str:
         return ""
 
 
-def _quoted(run_dir: Path, at: str) -> str:
-    """``file:line (the line's text)``, so that a reader finds the line without counting."""
-    text = _line_text(run_dir, at)
-    return f"{at} ({text})" if text else at
-
-
-def _spawn(ranks: list[_Rank], world: int, *, run_dir: Path) -> tuple[list[Finding], list[str]]:
+def _spawn(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """10: torch.multiprocessing.spawn under torchrun: every rank starts ranks of its own."""
     spawns = [s for r in ranks for s in r["spawn"]]
     if not spawns:
-        return [], ["Own ranks: the script does not call torch.multiprocessing.spawn."]
+        return ["Own ranks: the script does not call torch.multiprocessing.spawn."]
     s = spawns[0]
     where = _at(s["where"])
     sets = _sets_rendezvous(run_dir, s["where"])
@@ -1010,46 +890,25 @@ def _spawn(ranks: list[_Rank], world: int, *, run_dir: Path) -> tuple[list[Findi
         + (f"; the script sets the rendezvous itself at {', '.join(sets)}" if sets else "")
         + ". The check stopped it there: under torchrun it would start a second job per rank."
     )
-    why = (
-        "torchrun already starts one process per rank and sets RANK, LOCAL_RANK, WORLD_SIZE, "
-        "MASTER_ADDR and MASTER_PORT. A script written for mp.spawn (pytorch/examples' "
-        "multigpu.py) starts nnodes x nproc_per_node jobs of its own, each with its own "
-        "address and port: they clash on the port or wait for each other forever."
-    )
-    fix = (
-        "Drop mp.spawn: call main() once; rank = int(os.environ['RANK']), local_rank = "
-        "int(os.environ['LOCAL_RANK']), world_size = int(os.environ['WORLD_SIZE']); "
-        "dist.init_process_group(backend) without setting MASTER_ADDR or MASTER_PORT."
-    )
-    return [Finding(10, where, seen, why, fix)], []
-
-
-def _names_key(owner: ast.AST, key: ast.AST, keys: tuple[str, ...]) -> bool:
-    """True for ``os.environ[KEY]`` / ``os.environ.setdefault(KEY`` / ``os.putenv(KEY`` with KEY in keys."""
-    text = ast.unparse(owner)
-    return ("environ" in text or "putenv" in text) and (
-        isinstance(key, ast.Constant) and key.value in keys
-    )
+    return [Finding(10, where, seen)]
 
 
 def _sets_rendezvous(run_dir: Path, where: dict | None) -> list[str]:
-    """``file:line`` of each write of MASTER_ADDR / MASTER_PORT in the file that spawns."""
-    if not where:
-        return []
-    try:
-        tree = ast.parse((run_dir / where["file"]).read_text())
-    except (OSError, SyntaxError, ValueError):
-        return []
-    keys = ("MASTER_ADDR", "MASTER_PORT")
+    """``file:line`` of each write of MASTER_ADDR / MASTER_PORT in the file that spawns:
+    ``os.environ[KEY] = ...``, ``os.environ.setdefault(KEY, ...)``, ``os.putenv(KEY, ...)``."""
     lines = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):  # os.environ["MASTER_ADDR"] = ...
-            targets = [t for t in node.targets if isinstance(t, ast.Subscript)]
-            if any(_names_key(t.value, t.slice, keys) for t in targets):
-                lines.add(node.lineno)
-        elif isinstance(node, ast.Call) and node.args:  # os.environ.setdefault(...), os.putenv(...)
-            if _names_key(node.func, node.args[0], keys):
-                lines.add(node.lineno)
+    for node in ast.walk(_tree(run_dir, where)):
+        if isinstance(node, ast.Assign):
+            pairs = [(t.value, t.slice) for t in node.targets if isinstance(t, ast.Subscript)]
+        elif isinstance(node, ast.Call) and node.args:
+            pairs = [(node.func, node.args[0])]
+        else:
+            continue
+        for owner, key in pairs:
+            text = ast.unparse(owner)
+            if ("environ" in text or "putenv" in text) and isinstance(key, ast.Constant):
+                if key.value in ("MASTER_ADDR", "MASTER_PORT"):
+                    lines.add(node.lineno)
     return [f"{where['file']}:{n}" for n in sorted(lines)]
 
 
@@ -1072,20 +931,13 @@ def _parse_args(argv: list[str]):
     parser.add_argument("script", help="the torchrun script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     opts = parser.parse_args(argv)
-    script = Script(opts.script, opts.args, opts.file, opts.max_copy_mb)
-    return script, {
-        "nnodes": opts.nnodes,
-        "nproc_per_node": opts.nproc_per_node,
-        "run_dir": opts.run_dir,
-    }
+    kwargs = {k: getattr(opts, k) for k in ("nnodes", "nproc_per_node", "run_dir")}
+    return Script(opts.script, opts.args, opts.file, opts.max_copy_mb), kwargs
 
 
 def main_check_script(argv: list[str]) -> int:
-    """``ddpnb check-script``: 0 no mistake found, 1 mistakes found, 2 the script could not run.
-
-    ``ddpnb check-script [--nnodes N] [--nproc-per-node P] [--file PATH]... SCRIPT [ARGS...]``:
-    options first, then the script; every word after the script is the script's.
-    """
+    """``ddpnb check-script [--nnodes N] [--nproc-per-node P] [--file PATH]... SCRIPT [ARGS...]``:
+    options first, then the script; every word after the script is the script's."""
     try:
         script, kwargs = _parse_args(argv)
         report = check_script(script, **kwargs)

@@ -1,11 +1,10 @@
 """Written by ddpnb as RUN_DIR/.ddpnb/sitecustomize.py: its hooks, then any other sitecustomize.
 
-Python imports ``sitecustomize`` at start-up from ``PYTHONPATH``; ddpnb puts this folder
-there for every worker of a run. It activates ``ddpnb_watch`` (where each rank is: always)
-and ``ddpnb_observe`` (what the script does: only under ``ddpnb check-script``); each does
-nothing unless its variable is set. Once the script imports torch, each gets ``install``
-(called in the main thread). Then the next ``sitecustomize`` on the path runs, as it would
-have without this one. Nothing here may stop the script.
+Python imports ``sitecustomize`` from ``PYTHONPATH`` at start-up; ddpnb puts this folder there
+for every worker of a run. It activates ``ddpnb_watch`` (where each rank is: always) and
+``ddpnb_observe`` (what the script does: under ``ddpnb check-script``), each doing nothing
+unless its variable is set, and calls their ``install`` (in the main thread) once the script
+imports torch. Then the next ``sitecustomize`` on the path runs. Nothing here may stop the script.
 """
 
 import importlib
