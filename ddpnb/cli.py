@@ -21,7 +21,6 @@ from .launch import launch
 from .script import Script, script_options
 
 _FIELD_DEST = "field:"  # namespace prefix of the TrainConfig options
-STOP_SIGNALS = ("SIGTERM", "SIGHUP")
 # Options whose flags are not --name-with-dashes (repeatable ones are singular).
 FLAGS = {
     "data_dir": ("--data", "--data-dir"),
@@ -48,10 +47,9 @@ COMMANDS = {
 DESCRIPTIONS = {
     "train": "Train with DDP, one torchrun per node. Every training option is a TrainConfig "
     "field; only the options given override its defaults (or --config).",
-    "run": "Run any torchrun script, torchrun's way: options first, then the script; everything "
-    "after the script goes to it unchanged. Simulated nodes on this machine by default, real "
-    "hosts with --hosts, a Slurm batch job with --slurm. The run directory is the script's "
-    "working directory on every node.",
+    "run": "Options first, then the script; every word after the script goes to it unchanged. "
+    "Simulated nodes on this machine by default, real hosts with --hosts, a Slurm batch job "
+    "with --slurm. The run directory is the script's working directory on every node.",
     "check-hosts": "Ask every host (login, interpreter, torch) and prove the network: node 0's "
     "address and port from every host, every pair on the collectives' ports, each host's "
     "interface toward node 0. Starts no training. Exit 0: ready; 1: problems, each named with "
@@ -59,12 +57,11 @@ DESCRIPTIONS = {
     "submit": "Submit a run with sbatch: one torchrun per node (srun), the c10d rendezvous on the "
     "first node. RUN_DIR must be on a filesystem every node shares. Ctrl-C cancels the job "
     "(scancel); --detach leaves it running (ddpnb attach RUN_DIR).",
-    "sweep": "Run NOTEBOOK with papermill once per point of the grid (the product of the -g axes) "
-    "into DIR/<point>.ipynb, its runs in DIR/<point>/; DIR/summary.csv gets a row per point "
-    "(parameters, status, wall time, final metrics), DIR/curves.png every point's curves. "
-    "Relative paths mean what they mean here. Running it again skips the points done "
-    "(--overwrite redoes them) and retries the failed ones. Exit 0: every point done; 1: a "
-    "point failed; 2: bad arguments (nothing ran); 130: Ctrl-C (the running point stopped).",
+    "sweep": "Run NOTEBOOK once per point of the grid (the product of the -g axes) into "
+    "DIR/<point>.ipynb, in the current folder; DIR/summary.csv gets a row per point (parameters, "
+    "status, wall time, final metrics), DIR/curves.png their curves. Running it again skips "
+    "the points done (--overwrite redoes them). Exit 0: every point done; 1: a point failed; "
+    "2: bad arguments (nothing ran); 130: Ctrl-C (the running point stopped).",
     "stacks": "Show each rank's current Python stack (the script's frames, torch's folded) and "
     "whether the run hangs, from the snapshots every worker writes every 2 s. Exit 0; 2 when "
     "the run has ended, the folder holds no run, or a host stopped reporting.",
@@ -207,7 +204,10 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--overwrite", action="store_true")
     _command(sub, "check", _check).add_argument("dir")
-    _train_parser(_command(sub, "train", _train))
+    train = _command(sub, "train", _train)
+    _job_group(train, "launch", "where the run's files go (config, metrics, checkpoint, logs)")
+    launch_options(train)
+    _config_options(train)
     _run_parser(_command(sub, "run", _run, usage="ddpnb run [OPTIONS] SCRIPT [SCRIPT_ARGS...]"))
     _command(sub, "check-script", None)  # listed here; parsed by ddpnb.scriptcheck (see main)
     _command(sub, "stacks", _stacks).add_argument("run_dir")
@@ -221,7 +221,12 @@ def _parser() -> argparse.ArgumentParser:
     cmds.add_argument("--master-port", type=int, default=29500)
     cmds.add_argument("--rendezvous", choices=["static", "c10d"], default="static")
     cmds.add_argument("--node-rank", type=int)
-    _submit_parser(_command(sub, "submit", _submit))
+    submit = _command(sub, "submit", _submit)
+    job = _job_group(submit, "Slurm job", "on a filesystem every node shares")
+    job.add_argument("--nnodes", type=int, required=True)
+    _options(job, SUBMIT)
+    job.add_argument("--detach", action="store_true", help="return once submitted")
+    _config_options(submit)
     check = _command(sub, "check-hosts", _check_hosts)
     check.add_argument("--hosts", required=True, **HOST_LIST)
     _options(check, CHECK_HOSTS)
@@ -240,16 +245,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train_parser(train: argparse.ArgumentParser) -> None:
-    launch = train.add_argument_group("launch")
-    launch.add_argument(
-        "--config",
-        metavar="FILE",
-        help="start from a saved config.json (e.g. RUN_DIR/config.json); options override it",
-    )
-    launch.add_argument("--run-dir", required=True)
-    launch_options(train)
-    _config_options(train)
+def _job_group(parser: argparse.ArgumentParser, title: str, run_dir_help: str):
+    """``--config`` and ``--run-dir``: where ``train`` and ``submit`` start."""
+    group = parser.add_argument_group(title)
+    config_help = "start from a saved config.json (e.g. RUN_DIR/config.json); options override it"
+    group.add_argument("--config", metavar="FILE", help=config_help)
+    group.add_argument("--run-dir", required=True, help=run_dir_help)
+    return group
 
 
 def _run_parser(run: argparse.ArgumentParser) -> None:
@@ -262,16 +264,6 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
     slurm.add_argument("--detach", action="store_true", help="with --slurm: return once submitted")
     run.add_argument("script", metavar="SCRIPT", help="the torchrun script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS")
-
-
-def _submit_parser(submit: argparse.ArgumentParser) -> None:
-    job = submit.add_argument_group("Slurm job")
-    job.add_argument("--config", metavar="FILE", help="start from a saved config.json")
-    job.add_argument("--run-dir", required=True, help="on a filesystem every node shares")
-    job.add_argument("--nnodes", type=int, required=True)
-    _options(job, SUBMIT)
-    job.add_argument("--detach", action="store_true", help="return once submitted")
-    _config_options(submit)
 
 
 SWEEP_USAGE = "ddpnb sweep NOTEBOOK --out DIR [-p NAME VALUE]... [-g NAME V1,V2]..."
@@ -374,7 +366,7 @@ class _StopSignals:
     def __enter__(self) -> _StopSignals:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
-        for name in STOP_SIGNALS:
+        for name in ("SIGTERM", "SIGHUP"):
             sig = getattr(signal, name, None)
             if sig is None or signal.getsignal(sig) is signal.SIG_IGN:
                 continue  # e.g. nohup: an ignored SIGHUP stays ignored
