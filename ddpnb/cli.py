@@ -34,12 +34,15 @@ COMMANDS = {
     "check": "check an ImageFolder (exit 1 when it has problems)",
     "train": "train with DDP (one torchrun per node)",
     "run": "run your own torchrun script with DDP (simulated nodes, --hosts, or --slurm)",
-    "check-script": "run your DDP script briefly, name its classic mistakes (exit 0, 1 or 2)",
-    "stacks": "where every rank of a running job is: its line and the collective it waits in",
+    "check-script": "run your DDP script briefly and name its classic mistakes with their line "
+    "(exit 0 clean, 1 mistakes, 2 could not run); ddpnb check-script --help",
+    "stacks": "where every rank of a running job is: its script line and the collective it "
+    "waits in",
     "plot": "plot loss/accuracy curves of run directories",
     "commands": "print the torchrun command for each host",
     "submit": "train as a Slurm batch job (sbatch), followed until it ends",
-    "check-hosts": "prove real hosts can run a job: logins, torch, the network (1: problems)",
+    "check-hosts": "prove real hosts can run a job: logins, torch, the network (exit 1 on "
+    "problems)",
     "sweep": "run a notebook with papermill over a grid of parameters; one table of the results",
     "attach": "follow a submitted Slurm job again (Ctrl-C cancels it)",
     "slurm": "write an sbatch script",
@@ -98,7 +101,7 @@ TEXT: dict[str, Any] = {}
 SWITCH = {"action": "store_true"}
 REPEAT = {"action": "append", "metavar": "ARG"}
 SECONDS = {"type": _seconds_or_off, "metavar": "SECONDS"}
-HOST_LIST = {"type": lambda text: [h.strip() for h in text.split(",") if h.strip()]}
+HOST_LIST = {"type": lambda t: [h.strip() for h in t.split(",") if h.strip()], "metavar": "A,B"}
 LAUNCH = {
     "nnodes": (N, "nodes: simulated on this machine (default 2; `train`: 1), or one per --hosts"),
     "nproc_per_node": (N, "processes (workers) per node (default: 1)"),
@@ -215,7 +218,9 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dirs", nargs="+")
     plot.add_argument("--out", default="curves.png")
     cmds = _command(sub, "commands", _commands)
-    cmds.add_argument("--run-dir", required=True, help="where config.json is on the nodes")
+    cmds.add_argument(
+        "--run-dir", required=True, help="where train_ddp.py and config.json are on the nodes"
+    )
     cmds.add_argument("--hosts", required=True, help="the first is the master", **HOST_LIST)
     cmds.add_argument("--nproc-per-node", type=int, default=1)
     cmds.add_argument("--master-port", type=int, default=29500)
