@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,12 +42,18 @@ def test_every_config_field_has_an_option():
         action = _train_action(f.name)
         assert action is not None, f"TrainConfig.{f.name} has no `ddpnb train` option"
         assert action.default is argparse.SUPPRESS, f.name  # only given options override
-        assert f.name not in cli.LAUNCH_OPTIONS
         if hints[f.name] is bool:
             assert f"--no-{f.name.replace('_', '-')}" in action.option_strings
     for flag in ("--augment", "--num-workers", "--max-steps-per-epoch", "--weights", "--threads"):
         assert flag in " ".join(a for act in _all_actions() for a in act.option_strings)
     assert _train_action("data_dir").option_strings == ["--data", "--data-dir"]
+    # A field named like a launch option (--nnodes, --resume, ...) would make _parser() fail:
+    # argparse refuses the conflicting option string. train and submit list every field.
+    for command in ("train", "submit"):
+        text = cli._parser()._subparsers._group_actions[0].choices[command].format_help()
+        for f in dataclasses.fields(TrainConfig):
+            flag = "--data" if f.name == "data_dir" else "--" + f.name.replace("_", "-")
+            assert re.search(re.escape(flag) + r"(?![\w-])", text), (command, flag)
 
 
 def _all_actions():
