@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import html
 import itertools
-import json
 import os
 import socket
 import time
 from pathlib import Path
 
 from .errors import RunDirError
+from .metrics import read_json
 from .script import HOOKS_DIR  # in the run directory: ddpnb's hooks, on every worker's PYTHONPATH
 
 WATCH_DIR = Path(HOOKS_DIR) / "watch"  # the ranks' snapshots
@@ -34,12 +34,12 @@ STALE_SECONDS = 15.0  # a snapshot older than this: the rank has not reported (g
 C10D = "torch/distributed/distributed_c10d.py"
 DDP = "torch/nn/parallel/distributed.py"
 BACKWARD = ("backward", "_engine_run_backward")
-# What the frames below the user's line mean, first match wins: (part of the file's path,
-# the functions (None: any), the name). A collective a rank waits in, then (outside any
-# collective) what a rank does.
 BUFFER_SYNC = ("_sync_buffers", "_sync_module_buffers", "_default_broadcast_coalesced")
 JOIN = ("init_process_group", "_store_based_barrier", "new_group", "rendezvous")
 SPAWN = "torch.multiprocessing.spawn (waiting for the processes it started)"
+# What the frames below the user's line mean, first match wins: (part of the file's path,
+# the functions (None: any), the name). A collective a rank waits in, then (outside any
+# collective) what a rank does.
 COLLECTIVES = (
     ("torch/multiprocessing/spawn.py", None, SPAWN),
     (DDP, BUFFER_SYNC, "DDP's buffer broadcast in forward"),
@@ -260,14 +260,9 @@ def read_ranks(
     ``since``: ignore snapshots written before then (an earlier launch's, on a host).
     """
     now = time.time() if now is None else now
-    records = []
-    for path in sorted((Path(run_dir) / WATCH_DIR).glob("rank-*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced: the next read has it
-        if record.get("time", 0) >= since - CLOCK_SKEW:
-            records.append(record)
+    # A file being replaced reads as {}: the next read has it.
+    records = [read_json(p) for p in sorted((Path(run_dir) / WATCH_DIR).glob("rank-*.json"))]
+    records = [r for r in records if r and r.get("time", 0) >= since - CLOCK_SKEW]
     if not records:
         return []
     world = max(r.get("world_size", 1) for r in records)

@@ -1,10 +1,5 @@
 """Papermill batch runs: one notebook over a grid of parameters, gathered in one table.
 
-Each point of the grid runs the notebook with papermill into ``DIR/<point>.ipynb``, its runs
-into ``DIR/<point>/``; ``DIR/summary.csv`` holds one row per point and ``DIR/curves.png``
-every point's curves. ``DIR/.ddpnb/<point>.json`` records each point's state, so that
-running the same sweep again skips the points already done.
-
 ``ddpnb.sweep(notebook, out_dir, grid=..., parameters=...)`` or
 ``ddpnb sweep NOTEBOOK --out DIR [-p NAME VALUE]... [-g NAME V1,V2,...]...``
 """
@@ -287,10 +282,8 @@ def _differences(record: dict, notebook: Path, point: Point) -> list[str]:
     if record.get("notebook") != str(notebook):
         changed.append(f"notebook {record.get('notebook')} then, {notebook} now")
     # As they read back from a record: tuples become lists, paths text.
-    then, now = (
-        json.loads(json.dumps(p, default=str))
-        for p in (record.get("parameters") or {}, point.parameters)
-    )
+    given = (record.get("parameters") or {}, point.parameters)
+    then, now = (json.loads(json.dumps(d, default=str)) for d in given)
     for name in dict.fromkeys([*then, *now]):
         if then.get(name, ...) != now.get(name, ...):
             before, after = (repr(d[name]) if name in d else "unset" for d in (then, now))
@@ -391,35 +384,31 @@ def _execute(point: Point, source: Path, timeout: float | None, kernel_name: str
     return _first_line(outcome[0]) if outcome else ""
 
 
-def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: str | None):
-    """Run one point (its folder cleared first), recording its state as it goes."""
+def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: str | None) -> str:
+    """Run one point (its folder cleared first), recording its state as it goes; its status."""
     if point.folder.is_dir() and point.record():  # ours: a failed or redone point's runs
         shutil.rmtree(point.folder)
     point.folder.mkdir(parents=True, exist_ok=True)
     base = {"notebook": str(source), "parameters": point.parameters}
     point.write_record(status="running", **base)
-    start = time.monotonic()
-    try:
+    start, status, error = time.monotonic(), "interrupted", "interrupted"
+    try:  # Ctrl-C leaves the point interrupted
         error = _execute(point, source, timeout, kernel_name)
-    except KeyboardInterrupt:
-        wall = time.monotonic() - start
-        point.write_record(status="interrupted", wall_s=wall, error="interrupted", **base)
-        raise
-    wall = time.monotonic() - start
-    point.write_record(status="failed" if error else "done", wall_s=wall, error=error, **base)
+        status = "failed" if error else "done"
+    finally:
+        point.write_record(status=status, wall_s=time.monotonic() - start, error=error, **base)
+    return status
 
 
 # -- the table ---------------------------------------------------------------------------
 
 
 class SweepResult(Table):
-    """The sweep's table: one row per point (its parameters, ``status``, ``wall_s``, the
-    final ``METRICS``, the ``error``'s first line, the ``notebook``), as in ``summary.csv``.
+    """The sweep's table, one row per point as in ``summary.csv`` (its parameters,
+    ``status``, ``wall_s``, the final ``METRICS``, the ``error``'s first line, ``notebook``).
 
-    Attributes: ``out_dir``, ``axes`` (the grid's names), ``fixed`` (the parameters every
-    point shares), ``runs`` (each point's run directories), ``summary`` (the CSV's path),
-    ``figure`` (``curves.png``'s path; ``None`` while no run has metrics), ``ok`` (every
-    point done or skipped).
+    Also ``axes`` (the grid's names), ``fixed`` (the parameters every point shares), ``runs``
+    (each point's run directories), ``summary`` and ``figure`` (``None`` without curves).
     """
 
     def __init__(self, rows, out_dir: Path, axes: list[str], fixed: dict, runs: dict):
@@ -561,28 +550,22 @@ def sweep(
 ) -> SweepResult:
     """Run ``notebook`` with papermill once per point of ``grid``; gather one table.
 
-    ``grid`` (``{name: [values...]}``) spans the points, ``parameters`` (``{name: value}``)
-    holds for every point; the notebook's cell tagged ``parameters`` names what may be set.
-    A point's name is its grid values, ``batch_size=32,lr=0.1`` (other characters than
-    letters, digits and ``._+=,-`` become ``_``); without a grid the one point is named
-    after the notebook. ``out_dir`` gets ``<point>.ipynb``, ``<point>/`` with its runs,
-    ``summary.csv`` (rewritten after every point) and ``curves.png``.
+    ``grid`` (``{name: [values...]}``) spans the points, ``parameters`` hold for every one;
+    the notebook's cell tagged ``parameters`` names what may be set. A point named
+    ``batch_size=32,lr=0.1`` (the notebook's name without a grid) runs into
+    ``out_dir/<point>.ipynb`` and ``out_dir/<point>/``: a notebook parameter ``run_dir`` or
+    ``run_root`` not given becomes ``out_dir/<point>/<the default's last part>``. Then
+    ``out_dir/summary.csv`` (rewritten after each point) and ``curves.png``;
+    ``out_dir/.ddpnb/<point>.json`` records each point, so a rerun skips the points done.
 
-    A notebook parameter ``run_dir`` or ``run_root`` not given is set to
-    ``out_dir/<point>/<the default's last part>`` (notebook 02's ``runs/baseline`` becomes
-    ``out_dir/batch_size=32/baseline``), so runs never overwrite each other; two points
-    given one are refused.
+    ``overwrite``: redo the points done (and replace outputs a sweep did not write); a
+    failed or interrupted point runs again anyway. ``timeout``: seconds each cell may run
+    (``None``: no limit). ``cwd``: the folder the notebooks run in (default: the current
+    one), so relative paths in the parameters mean what they mean here.
 
-    ``overwrite``: redo the points already done (and replace outputs a sweep did not
-    write); without it a done point is skipped and kept, a failed or interrupted one runs
-    again. ``timeout``: seconds each cell may run (``None``: no limit). ``kernel_name``:
-    default the notebook's own. ``cwd``: the folder the notebooks run in (default: the
-    current one), so relative paths in the parameters mean what they mean here.
-
-    A failed point does not stop the others (``result.ok`` says whether all succeeded).
-    ConfigError is raised before anything runs; Ctrl-C stops the running point (its kernel
-    interrupted, then shut down, with any ddpnb run in it), records it as interrupted and
-    keeps the finished points and the table.
+    A failed point does not stop the others (``result.ok``). ConfigError comes before
+    anything runs; Ctrl-C stops the running point (its kernel interrupted, then killed,
+    with any ddpnb run in it) and keeps the finished points and the table.
 
     Example
     -------
@@ -603,12 +586,11 @@ def sweep(
         else:
             print(f"[{i}/{len(points)}] {point.name}: running", flush=True)
             try:
-                _run_point(point, source, timeout, kernel_name)
+                statuses[point.name] = _run_point(point, source, timeout, kernel_name)
             except KeyboardInterrupt:
                 statuses[point.name] = "interrupted"
                 _gather(points, statuses, grid, parameters)  # the table as it stands
                 raise
-            statuses[point.name] = point.record().get("status", "failed")
         _say(point, i, len(points), statuses[point.name])
         result = _draw(_gather(points, statuses, grid, parameters))
     return result
