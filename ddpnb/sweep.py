@@ -339,11 +339,10 @@ def _stop_point(managers: list, finished: threading.Event, grace: float) -> None
 
 
 def _first_line(error: BaseException) -> str:
-    ename, evalue = getattr(error, "ename", None), getattr(error, "evalue", None)
-    if ename is not None:  # papermill's PapermillExecutionError: the cell's own exception
-        text = f"{ename}: {evalue}" if evalue else str(ename)
-    else:
-        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    name, value = type(error).__name__, str(error)
+    if getattr(error, "ename", None) is not None:  # papermill's: the cell's own exception
+        name, value = str(error.ename), getattr(error, "evalue", None)
+    text = f"{name}: {value}" if value else name
     return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
 
 
