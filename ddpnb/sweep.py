@@ -96,8 +96,10 @@ def point_names(points: Sequence[Mapping[str, Any]], default: str) -> list[str]:
     """
     raw = [",".join(f"{k}={_text(v)}" for k, v in p.items()) or default for p in points]
     names = [_safe(r) for r in raw]
-    # Two values made safe alike: tell them apart.
-    return [_shortened(n, r) if names.count(n) > 1 else n for n, r in zip(names, raw)]
+    for i, name in enumerate(names):
+        if names.count(name) > 1:  # two values made safe alike: tell them apart
+            names[i] = _shortened(name, raw[i])
+    return names
 
 
 class Point:
