@@ -7,7 +7,6 @@ diagnosis can be tested on fixture files without starting a process.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
@@ -15,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import NodeLost, RendezvousTimeout, RunFailed, RunStalled, WorkerFailed
-from .metrics import load_metrics, read_progress
+from .metrics import load_metrics, read_json, read_progress
 from .topology import Topology
 
 # Messages of ranks that failed only because a peer died first.
@@ -40,20 +39,14 @@ def log_tail(run_dir: Path, node: int, lines: int = 20) -> str:
 
 
 def read_error_file(path: Path) -> dict | None:
-    """torchrun's ``error.json`` (written by ``@record``) as message, traceback, timestamp."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    msg = data.get("message", {})
+    """torchrun's ``error.json`` (written by ``@record``) as its message and traceback."""
+    msg = read_json(path).get("message")
     if isinstance(msg, str):
-        return {"message": msg, "traceback": "", "timestamp": 0}
-    extra = msg.get("extraInfo", {})
-    return {
-        "message": msg.get("message", "").strip(),
-        "traceback": extra.get("py_callstack", ""),
-        "timestamp": int(extra.get("timestamp", 0) or 0),
-    }
+        return {"message": msg, "traceback": ""}
+    if not isinstance(msg, dict):
+        return None
+    traceback = msg.get("extraInfo", {}).get("py_callstack", "")
+    return {"message": msg.get("message", "").strip(), "traceback": traceback}
 
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)$', re.M)
@@ -72,50 +65,23 @@ def script_line(traceback: str, run_dir: Path) -> str:
     return f" at {name}:{line} in {func}"
 
 
-def first_failed_rank(text: str) -> int | None:
-    """The first failed global rank in torchrun's failure summary, if any."""
-    m = re.search(r"^\s*rank\s*:\s*(\d+) \(local_rank", text, re.M)
-    return int(m.group(1)) if m else None
-
-
-def worker_exit_code(text: str, rank: int | None) -> int | None:
-    """A rank's exit code from torchrun's failure summary (the first rank's if None)."""
-    # "rank : 1 (local_rank: 0)" then "exitcode : 1 (pid: ...)".
-    pattern = r"^\s*rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)"
-    for m in re.finditer(pattern, text, re.M):
-        if rank is None or int(m.group(1)) == rank:
-            return int(m.group(2))
-    return None
-
-
-# torchrun's failure summary: "rank : 1 (local_rank: 1)", "exitcode : 1 (pid: 9)",
-# "error_file: /path/error.json" (<N/A> without @record).
+# torchrun's failure summary, per failed worker: "rank : 1 (local_rank: 1)", "exitcode : 1 ...".
 _SUMMARY = re.compile(
-    r"^\s*rank\s*:\s*(\d+) \(local_rank:\s*(\d+)\).*\n\s*exitcode\s*:\s*(-?\d+).*\n"
-    r"\s*error_file\s*:\s*(\S+)",
-    re.M,
+    r"^\s*rank\s*:\s*(\d+) \(local_rank:\s*(\d+)\).*\n\s*exitcode\s*:\s*(-?\d+)", re.M
 )
 
 
-def failed_ranks(run_dir: Path, node: int) -> list[dict]:
-    """Each failed worker in a node's torchrun summary: rank, local_rank, exit_code, error_file."""
+def failed_ranks(run_dir: Path, node: int, lines: int = 400) -> list[dict]:
+    """Each failed worker in a node's torchrun summary: rank, local_rank, exit_code."""
     return [
-        {
-            "rank": int(m.group(1)),
-            "local_rank": int(m.group(2)),
-            "exit_code": int(m.group(3)),
-            "error_file": None if m.group(4) == "<N/A>" else m.group(4),
-        }
-        for m in _SUMMARY.finditer(log_tail(run_dir, node, 400))
+        {"rank": int(m[1]), "local_rank": int(m[2]), "exit_code": int(m[3])}
+        for m in _SUMMARY.finditer(log_tail(run_dir, node, lines))
     ]
 
 
 def stderr_traceback(path: Path) -> dict | None:
-    """A worker's last Python traceback from its ``stderr.log``: for scripts without ``@record``.
-
-    torchrun keeps each worker's stderr under ``--log_dir``; the traceback Python
-    printed there is the script's own, with torch's ``[rankN]:`` prefix removed.
-    """
+    """A worker's last Python traceback in its ``stderr.log`` (torchrun's ``--log_dir``), for
+    scripts without ``@record``, torch's ``[rankN]:`` prefix removed."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
@@ -126,17 +92,15 @@ def stderr_traceback(path: Path) -> dict | None:
         return None
     block = lines[starts[-1] :]
     message = next((line for line in reversed(block) if line.strip()), "")
-    return {"message": message.strip(), "traceback": "\n".join(block), "timestamp": 0}
+    return {"message": message.strip(), "traceback": "\n".join(block)}
 
 
 def worker_errors(
     run_dir: Path, nodes: Sequence[int], nproc_per_node: int, since: float = 0.0
 ) -> list:
-    """Every failed worker's error: ((secondary, mtime), node, global_rank, info), root cause first.
-
-    From torchrun's ``error.json`` (``@record``) or else the worker's ``stderr.log``;
-    files older than ``since`` belong to an earlier launch and are skipped.
-    """
+    """Every failed worker's error, root cause first: ((secondary, mtime), node, global_rank,
+    info), from its ``error.json`` or else its ``stderr.log``; files older than ``since`` are
+    an earlier launch's."""
     errors = []
     for node in nodes:
         summary = {r["local_rank"]: r["rank"] for r in failed_ranks(run_dir, node)}
@@ -246,15 +210,6 @@ def lost_node(
     )
 
 
-def killed_worker(run_dir: Path, nodes: Sequence[int]) -> tuple[int, int, int] | None:
-    """(node, global rank, exit code) of a worker a signal killed, from torchrun's summaries."""
-    for node in nodes:
-        for r in failed_ranks(run_dir, node):
-            if r["exit_code"] < 0:
-                return node, r["rank"], r["exit_code"]
-    return None
-
-
 def diagnose_failure(
     run_dir: Path,
     topology: Topology,
@@ -273,9 +228,10 @@ def diagnose_failure(
     lost = lost_node(run_dir, topology, local_nodes, failed, errors, started_at)
     if lost is not None:
         return lost
-    killed = killed_worker(run_dir, local_nodes)
-    if killed is not None and (not errors or errors[0][0][0]):  # nothing but secondary errors
-        node, rank, code = killed
+    killed = [(n, r["rank"], r["exit_code"]) for n in local_nodes for r in failed_ranks(run_dir, n)]
+    killed = [k for k in killed if k[2] < 0]  # a worker killed by a signal
+    if killed and (not errors or errors[0][0][0]):  # nothing but secondary errors
+        node, rank, code = killed[0]
         name = signal.Signals(-code).name if -code in set(signal.Signals) else f"signal {-code}"
         return WorkerFailed(
             f"Worker global rank {rank} on node {node} was killed by {name} (exit code {code}); "
@@ -287,7 +243,8 @@ def diagnose_failure(
         )
     if errors:
         _, node, rank, info = errors[0]
-        exit_code = worker_exit_code(log_tail(run_dir, node, 200), rank)
+        summary = failed_ranks(run_dir, node, 200)
+        exit_code = next((r["exit_code"] for r in summary if r["rank"] == rank), None)
         return WorkerFailed(
             f"Worker global rank {rank} on node {node} failed (exit code {exit_code})"
             f"{script_line(info['traceback'], run_dir)}: {info['message']}. The other nodes "
@@ -310,8 +267,8 @@ def diagnose_failure(
             exit_code=failed[node],
             log_tail=log_tail(run_dir, node, 5),
         )
-    rank = first_failed_rank(tail)
-    exit_code = worker_exit_code(tail, rank) if rank is not None else failed[node]
+    first = next(iter(failed_ranks(run_dir, node, 200)), {})
+    rank, exit_code = first.get("rank"), first.get("exit_code", failed[node])
     return WorkerFailed(
         f"Node {node}'s torchrun exited with code {failed[node]}"
         + (f" (worker global rank {rank}, exit code {exit_code})" if rank is not None else "")

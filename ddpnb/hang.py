@@ -1,30 +1,25 @@
 """Where every rank is, and whether the run hangs: read from the workers' snapshots.
 
-Each worker writes ``RUN_DIR/.ddpnb/watch/rank-<R>.json`` every few seconds
-(``ddpnb.watch``): its Python stack, how long that stack has stayed the same, its optimizer
-steps. This module turns those files into :class:`Stacks` (``job.stacks()``, ``ddpnb
-stacks``): per rank, the innermost line of the user's script and what it waits in, torch's
-frames folded; and a verdict when nothing has moved for a while:
-
-- every rank waits in a collective (or has ended): the run **hangs**, and the verdict says
-  why (different collectives, a rank gone, ``torch.multiprocessing.spawn`` under torchrun);
-- some ranks wait while others work (rank 0 writes a checkpoint, the others wait at a
-  barrier): a **slow** phase, described as what it is, never called a bug.
-
-Pure functions of the snapshot files, so every verdict can be tested on fixture files.
+Each worker writes ``RUN_DIR/.ddpnb/watch/rank-<R>.json`` every few seconds (``ddpnb.watch``).
+From those files: :class:`Stacks` (``job.stacks()``, ``ddpnb stacks``), each rank's innermost
+line of the user's script and what it waits in; and a :class:`Verdict` once nothing has
+moved for a while: every rank waits in a collective (or has ended), the run **hangs**, and
+why; some ranks wait while others work, a **slow** phase, never called a bug. Pure functions
+of the snapshot files, so every verdict can be tested on fixture files.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import html
-import json
+import itertools
 import os
 import socket
 import time
 from pathlib import Path
 
 from .errors import RunDirError
+from .metrics import read_json
 from .script import HOOKS_DIR  # in the run directory: ddpnb's hooks, on every worker's PYTHONPATH
 
 WATCH_DIR = Path(HOOKS_DIR) / "watch"  # the ranks' snapshots
@@ -38,8 +33,35 @@ CLOCK_SKEW = 5.0  # seconds another host's clock may be behind this one's
 STALE_SECONDS = 15.0  # a snapshot older than this: the rank has not reported (gone, or held)
 C10D = "torch/distributed/distributed_c10d.py"
 DDP = "torch/nn/parallel/distributed.py"
+BACKWARD = ("backward", "_engine_run_backward")
 BUFFER_SYNC = ("_sync_buffers", "_sync_module_buffers", "_default_broadcast_coalesced")
 JOIN = ("init_process_group", "_store_based_barrier", "new_group", "rendezvous")
+SPAWN = "torch.multiprocessing.spawn (waiting for the processes it started)"
+# What the frames below the user's line mean, first match wins: (part of the file's path,
+# the functions (None: any), the name). A collective a rank waits in, then (outside any
+# collective) what a rank does.
+COLLECTIVES = (
+    ("torch/multiprocessing/spawn.py", None, SPAWN),
+    (DDP, BUFFER_SYNC, "DDP's buffer broadcast in forward"),
+    (DDP, ("__init__",), "DDP's parameter broadcast (wrapping the model)"),
+    (C10D, JOIN, "init_process_group (waiting for every rank to join)"),
+)
+WORK = (
+    ("torch/serialization.py", ("save",), "writing a checkpoint (torch.save)"),
+    ("torch/serialization.py", ("load",), "reading a checkpoint (torch.load)"),
+    ("torch/utils/data/", None, "loading data (DataLoader)"),
+    ("", BACKWARD, "computing backward"),
+)
+
+
+def _match(paths: list[tuple[str, str]], table: tuple) -> str | None:
+    hits = (
+        name
+        for part, fns, name in table
+        for p, fn in paths
+        if part in p and (fns is None or fn in fns)
+    )
+    return next(hits, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,45 +101,24 @@ class RankState:
     def inside(self) -> list[Frame]:
         """The frames below the innermost user frame (torch's, Python's), outermost first."""
         mine = self.mine
-        if mine is None:
-            return list(self.frames)
-        return list(self.frames[self.frames.index(mine) + 1 :])
+        return list(self.frames[self.frames.index(mine) + 1 :] if mine else self.frames)
+
+    def _paths(self) -> list[tuple[str, str]]:
+        return [(f.file.replace(os.sep, "/"), f.function) for f in self.inside]
 
     @property
     def waits_in(self) -> str | None:
         """The collective this rank waits in, as a reader names it; None when it is not in one."""
-        inside = self.inside
-        paths = [(f.file.replace(os.sep, "/"), f.function) for f in inside]
-        if any(p.endswith("torch/multiprocessing/spawn.py") for p, _ in paths):
-            return "torch.multiprocessing.spawn (waiting for the processes it started)"
-        if any(p.endswith(DDP) and fn in BUFFER_SYNC for p, fn in paths):
-            return "DDP's buffer broadcast in forward"
-        if any(p.endswith(DDP) and fn == "__init__" for p, fn in paths):
-            return "DDP's parameter broadcast (wrapping the model)"
-        c10d = [fn for p, fn in paths if p.endswith(C10D)]
-        if any(fn in JOIN for fn in c10d):
-            return "init_process_group (waiting for every rank to join)"
-        public = [fn for fn in c10d if not fn.startswith("_")]
-        if public:
-            return public[0]
-        backward = any(fn in ("backward", "_engine_run_backward") for _, fn in paths)
-        if backward and self.process_group:
-            return "DDP's gradient all-reduce inside backward"
-        return None
+        paths = self._paths()
+        public = (fn for p, fn in paths if p.endswith(C10D) and not fn.startswith("_"))
+        named = _match(paths, COLLECTIVES) or next(public, None)
+        backward = self.process_group and any(fn in BACKWARD for _, fn in paths)
+        return named or ("DDP's gradient all-reduce inside backward" if backward else None)
 
     @property
     def doing(self) -> str:
         """What a rank outside any collective is doing, as far as its frames tell."""
-        paths = [(f.file.replace(os.sep, "/"), f.function) for f in self.inside]
-        if any(p.endswith("torch/serialization.py") and fn == "save" for p, fn in paths):
-            return "writing a checkpoint (torch.save)"
-        if any(p.endswith("torch/serialization.py") and fn == "load" for p, fn in paths):
-            return "reading a checkpoint (torch.load)"
-        if any("torch/utils/data/" in p for p, _ in paths):
-            return "loading data (DataLoader)"
-        if any(fn in ("backward", "_engine_run_backward") for _, fn in paths):
-            return "computing backward"
-        return "working outside any collective"
+        return _match(self._paths(), WORK) or "working outside any collective"
 
     def where(self) -> str:
         """``train.py:21 (dist.barrier())``: the user's innermost line and its text."""
@@ -141,6 +142,9 @@ class RankState:
         return f"rank {self.rank} is {self.doing} at {self.where()}"
 
 
+TITLES = {"hang": "the run hangs", "slow": "a slow phase", "quiet": "no progress", "ok": "running"}
+
+
 @dataclasses.dataclass
 class Verdict:
     """What the ranks' positions mean: ``kind`` is "hang", "slow", "quiet" or "ok"."""
@@ -154,68 +158,72 @@ class Verdict:
 
     @property
     def title(self) -> str:
-        return {
-            "hang": "the run hangs",
-            "slow": "a slow phase",
-            "quiet": "no progress",
-            "ok": "running",
-        }[self.kind]
+        return TITLES[self.kind]
+
+
+# Why the ranks stand still, by verdict kind or hang cause: after "No rank has made progress
+# for N s: <each rank's line>" and ". " (": " for a hang).
+WHY = {
+    "quiet": "No rank waits in a collective: the ranks are busy.",
+    "slow": (
+        "{busy} still working while the others wait: a slow phase (a large "
+        "checkpoint, a slow disk, a long evaluation on one rank) is not a bug; if "
+        "{them} never get past that line, {them} are stuck there."
+    ),
+    "spawn": (
+        "{spawn} started processes of their own with torch.multiprocessing.spawn "
+        "at {at}: under torchrun every rank is already one process of the job, "
+        "so each starts a second job that never meets the others. Drop mp.spawn and read "
+        "RANK, LOCAL_RANK and WORLD_SIZE from torchrun's environment."
+    ),
+    "ended": (
+        "{ended} ended while {waiting} {wait} in a collective: the ranks "
+        "ran different numbers of steps (uneven batches per rank, a rank that stopped early), "
+        "and a collective waits for a rank that is gone."
+    ),
+    "different": (
+        "the ranks are in different collectives — one of them is called on some ranks only "
+        "(a collective inside `if rank == 0:`, an evaluation through the DDP wrapper on "
+        "one rank, or shards with different numbers of batches, so that one rank is still "
+        "in its loop). Call every collective on every rank, in the same order."
+    ),
+    "same": (
+        "every rank waits in the same collective and it does not complete: a node or "
+        "the network between the nodes stopped answering (or earlier collectives paired "
+        "up wrongly: one rank called one more)."
+    ),
+}
 
 
 def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
     """Whether the ranks hang, given they have all been still for ``quiet_for`` seconds."""
     if not ranks or quiet_for < limit:
         return Verdict("ok", "", quiet_for)
-    live = [r for r in ranks if r.state == "running"]
-    waiting = [r for r in live if r.waits_in]
+    waiting = [r for r in ranks if r.state == "running" and r.waits_in]
     others = [r for r in ranks if r.state != "ended" and not r.waits_in]
     ended = [r for r in ranks if r.state == "ended"]
+    spawn = [r for r in waiting if r.waits_in == SPAWN]
+    kind, cause = ("slow" if waiting else "quiet"), ""
+    if waiting and not others:
+        apart = len({(r.waits_in, r.where()) for r in waiting}) > 1
+        kind, cause = (
+            "hang",
+            "spawn" if spawn else "ended" if ended else "different" if apart else "same",
+        )
+    why = WHY[cause or kind].format(
+        busy=_ranks(others),
+        them="it" if len(others) == 1 else "they",
+        spawn=_ranks(spawn),
+        at=spawn[0].where() if spawn else "",
+        ended=_ranks(ended),
+        waiting=_ranks(waiting),
+        wait="waits" if len(waiting) == 1 else "wait",
+    )
     lines = "; ".join(r.line() for r in ranks)
-    quiet = f"No rank has made progress for {quiet_for:.0f} s: {lines}"
-    if not waiting:
-        return Verdict(
-            "quiet", f"{quiet}. No rank waits in a collective: the ranks are busy.", quiet_for
-        )
-    if others:
-        busy, them = _ranks(others), "it" if len(others) == 1 else "they"
-        return Verdict(
-            "slow",
-            f"{quiet}. {busy} still working while the others wait: a slow phase (a large "
-            "checkpoint, a slow disk, a long evaluation on one rank) is not a bug; if "
-            f"{them} never get past that line, {them} are stuck there.",
-            quiet_for,
-        )
-    spawn = [r for r in waiting if r.waits_in.startswith("torch.multiprocessing.spawn")]
-    cause = "spawn" if spawn else "ended" if ended else "different"
-    if spawn:
-        why = (
-            f"{_ranks(spawn)} started processes of their own with torch.multiprocessing.spawn "
-            f"at {spawn[0].where()}: under torchrun every rank is already one process of the job, "
-            "so each starts a second job that never meets the others. Drop mp.spawn and read "
-            "RANK, LOCAL_RANK and WORLD_SIZE from torchrun's environment."
-        )
-    elif ended:
-        why = (
-            f"{_ranks(ended)} ended while {_ranks(waiting)} "
-            f"{'waits' if len(waiting) == 1 else 'wait'} in a collective: the ranks "
-            "ran different numbers of steps (uneven batches per rank, a rank that stopped early), "
-            "and a collective waits for a rank that is gone."
-        )
-    elif len({(r.waits_in, r.where()) for r in waiting}) > 1:
-        why = (
-            "the ranks are in different collectives — one of them is called on some ranks only "
-            "(a collective inside `if rank == 0:`, an evaluation through the DDP wrapper on "
-            "one rank, or shards with different numbers of batches, so that one rank is still "
-            "in its loop). Call every collective on every rank, in the same order."
-        )
-    else:
-        cause = "same"
-        why = (
-            "every rank waits in the same collective and it does not complete: a node or "
-            "the network between the nodes stopped answering (or earlier collectives paired "
-            "up wrongly: one rank called one more)."
-        )
-    return Verdict("hang", f"{quiet}: {why}", quiet_for, cause)
+    message = (
+        f"No rank has made progress for {quiet_for:.0f} s: {lines}{': ' if cause else '. '}{why}"
+    )
+    return Verdict(kind, message, quiet_for, cause)
 
 
 def _ranks(ranks: list[RankState]) -> str:
@@ -252,14 +260,9 @@ def read_ranks(
     ``since``: ignore snapshots written before then (an earlier launch's, on a host).
     """
     now = time.time() if now is None else now
-    records = []
-    for path in sorted((Path(run_dir) / WATCH_DIR).glob("rank-*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced: the next read has it
-        if record.get("time", 0) >= since - CLOCK_SKEW:
-            records.append(record)
+    # A file being replaced reads as {}: the next read has it.
+    records = [read_json(p) for p in sorted((Path(run_dir) / WATCH_DIR).glob("rank-*.json"))]
+    records = [r for r in records if r and r.get("time", 0) >= since - CLOCK_SKEW]
     if not records:
         return []
     world = max(r.get("world_size", 1) for r in records)
@@ -272,19 +275,13 @@ def read_ranks(
         state = r["state"]
         if state == "running" and age > max(STALE_SECONDS, 4 * r.get("interval", 2)):
             state = "silent"
-        frames = tuple(Frame(*f) for f in r.get("stack", []))
         out.append(
             RankState(
-                r["rank"],
-                r["node"],
-                r["host"],
-                r["pid"],
-                state,
-                r["still"] + (age if state == "running" else 0.0),
-                r["steps"],
-                r["process_group"],
-                frames,
-                age,
+                **{k: r[k] for k in ("rank", "node", "host", "pid", "steps", "process_group")},
+                state=state,
+                still=r["still"] + (age if state == "running" else 0.0),
+                frames=tuple(Frame(*f) for f in r.get("stack", [])),
+                age=age,
             )
         )
     return out
@@ -315,42 +312,35 @@ class Stacks:
         return "\n".join(out)
 
     def _repr_html_(self) -> str:
-        e = html.escape
-        rows = "".join(
-            f"<tr><td style='text-align:left'>{r.rank}</td>"
-            f"<td style='text-align:left'>{r.node} ({e(r.host)})</td>"
-            f"<td style='text-align:left'>{e(r.line())}</td>"
-            f"<td style='text-align:left'><pre style='margin:0'>"
-            f"{e(chr(10).join(_stack_lines(r)))}</pre></td></tr>"
-            for r in self.ranks
+        e, v = html.escape, self.verdict
+        row = lambda tag, cells: (
+            "<tr>" + "".join(f"<{tag} style='text-align:left'>{c}</{tag}>" for c in cells) + "</tr>"
         )
-        head = "".join(
-            f"<th style='text-align:left'>{h}</th>" for h in ("rank", "node", "where", "stack")
-        )
-        v = self.verdict
+        rows = [row("th", ("rank", "node", "where", "stack"))] + [
+            row("td", (r.rank, f"{r.node} ({e(r.host)})", e(r.line()), _pre(r))) for r in self.ranks
+        ]
         message = f"<p><b>{e(v.title.capitalize())}</b>: {e(v.message)}</p>" if v.message else ""
-        return f"<div class='ddpnb-stacks'>{message}<table><tr>{head}</tr>{rows}</table></div>"
+        return f"<div class='ddpnb-stacks'>{message}<table>{''.join(rows)}</table></div>"
+
+
+def _pre(r: RankState) -> str:
+    return f"<pre style='margin:0'>{html.escape(chr(10).join(_stack_lines(r)))}</pre>"
 
 
 def _stack_lines(r: RankState) -> list[str]:
     """The user's frames (file:line and the call), torch's and Python's folded into one line."""
-    out, folded = [], []
-    for f in r.frames:
-        if f.mine:
-            if folded:
-                out.append(_fold(folded))
-                folded = []
-            out.append(f"{f.at} in {f.function}: {f.source}")
+    out = []
+    for mine, group in itertools.groupby(r.frames, key=lambda f: f.mine):
+        frames = list(group)
+        if mine:
+            out += [f"{f.at} in {f.function}: {f.source}" for f in frames]
         else:
-            folded.append(f)
-    if folded:
-        out.append(_fold(folded))
+            inner = frames[-1]
+            out.append(
+                f"... {len(frames)} frame(s) of torch/Python, innermost {inner.function} "
+                f"({Path(inner.file).name}:{inner.line})"
+            )
     return out
-
-
-def _fold(frames: list[Frame]) -> str:
-    inner = frames[-1]
-    return f"... {len(frames)} frame(s) of torch/Python, innermost {inner.function} ({Path(inner.file).name}:{inner.line})"
 
 
 def stacks(run_dir: str | os.PathLike, limit: float = 60.0) -> Stacks:

@@ -41,11 +41,11 @@ class RunMetrics:
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """Records of a JSON-lines file; a torn last line (a write in progress) is skipped."""
     try:
-        text = Path(path).read_text()
+        lines = Path(path).read_text().splitlines()
     except FileNotFoundError:
         return []
     out = []
-    for line in text.splitlines():
+    for line in lines:
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
@@ -53,43 +53,39 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return out
 
 
-def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
-    """Load ``metrics.jsonl``, the rank files and the config of a run directory.
-
-    Example
-    -------
-    >>> m = load_metrics("runs/baseline")                 # doctest: +SKIP
-    >>> m.final["val_acc"]                                # doctest: +SKIP
-    0.97
-    """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"Run directory {run_dir} does not exist.")
-    ranks: dict[int, list[dict]] = {}
-    for path in sorted((run_dir / "ranks").glob("rank-*.jsonl")):
-        ranks[int(path.stem.split("-")[1])] = read_jsonl(path)
-    config, effective = (_read_json(run_dir / n) for n in ("config.json", "effective_config.json"))
-    return RunMetrics(
-        run_dir,
-        read_jsonl(run_dir / "metrics.jsonl"),
-        dict(sorted(ranks.items())),
-        config,
-        effective,
-    )
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON object from a file, or ``{}`` when it is missing or unreadable."""
+def read_json(path: str | os.PathLike) -> dict:
+    """A JSON object from a file, or ``{}`` when it is missing, unreadable or not an object."""
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
 
 
+def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
+    """Load ``metrics.jsonl``, the rank files and the config of a run directory.
+
+    Example
+    -------
+    >>> load_metrics("runs/baseline").final["val_acc"]   # doctest: +SKIP
+    0.97
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"Run directory {run_dir} does not exist.")
+    ranks = {
+        int(path.stem.split("-")[1]): read_jsonl(path)
+        for path in (run_dir / "ranks").glob("rank-*.jsonl")
+    }
+    return RunMetrics(
+        run_dir,
+        read_jsonl(run_dir / "metrics.jsonl"),
+        dict(sorted(ranks.items())),
+        read_json(run_dir / "config.json"),
+        read_json(run_dir / "effective_config.json"),
+    )
+
+
 def read_progress(run_dir: str | os.PathLike) -> dict:
     """The worker's latest progress record, or ``{}`` before it writes one."""
-    try:
-        return json.loads((Path(run_dir) / "progress.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_json(Path(run_dir) / "progress.json")

@@ -118,11 +118,6 @@ def make_progress(mode: str, job: Followed):
     return TextProgress(job) if mode == "text" else NoProgress()
 
 
-def _ranks_label(ranks: range) -> str:
-    """``rank 3`` for one rank, ``ranks 4-7`` for several."""
-    return f"rank {ranks.start}" if len(ranks) == 1 else f"ranks {ranks.start}-{ranks.stop - 1}"
-
-
 class NoProgress:
     def update(self) -> None:
         pass
@@ -146,9 +141,9 @@ def _epoch_line(row: dict, epochs: int | None) -> str:
     parts = [f"epoch {row.get('epoch', '?')}/{epochs or '?'}"]
     parts += [fmt.format(row[k]) for k, fmt in EPOCH_FIELDS if isinstance(row.get(k), (int, float))]
     known = {"epoch", "world_size", "restart_count", *(k for k, _ in EPOCH_FIELDS)}
-    parts += [f"{k} {v:.4g}" for k, v in row.items() if k not in known and type(v) in (int, float)][
-        :4
-    ]  # a script's own numbers; ddpnb's worker reports only the fields above first
+    # A script's own numbers (ddpnb's worker reports only the fields above).
+    own = [f"{k} {v:.4g}" for k, v in row.items() if k not in known and type(v) in (int, float)]
+    parts += own[:4]
     if row.get("restart_count"):
         parts.append(f"(restart {row['restart_count']})")
     return "  ".join(parts)
@@ -207,26 +202,14 @@ class WidgetProgress:
         from IPython.display import display
 
         self.job = job
-        self.w = w
-        self.epochs_seen = 0
-        self.plotted = -1
-        self.last_plot = 0.0
-        self.plot_updates = 0
-        self.busy_said = 0.0
+        self.plotted, self.plot_updates = -1, 0
+        self.last_plot = self.busy_said = 0.0
         self.title = w.HTML(f"<b>{_start_line(job)}</b>")
         self.node_rows = [w.HTML() for _ in range(job.nnodes)]
-        bar_layout = w.Layout(width="60%")
-        self.epoch_bar = w.IntProgress(
-            value=0,
-            min=0,
-            max=job.epochs or 1,
-            description="epoch",
-            bar_style="info",
-            layout=bar_layout,
+        bar = lambda name, top: w.IntProgress(
+            max=top, description=name, bar_style="info", layout=w.Layout(width="60%")
         )
-        self.step_bar = w.IntProgress(
-            value=0, min=0, max=1, description="step", bar_style="info", layout=bar_layout
-        )
+        self.epoch_bar, self.step_bar = bar("epoch", job.epochs or 1), bar("step", 1)
         self.status = w.HTML()
         self.waiting = w.HTML()  # the hang watch: a hang or a slow phase, named
         # Hidden until its first picture: an empty image shows as a broken-image icon.
@@ -250,18 +233,9 @@ class WidgetProgress:
                 overflow="auto",
             ),
         )
-        self.panel = w.VBox(
-            [
-                w.HTML(DARK_THEME_CSS),
-                self.title,
-                nodes,
-                self.epoch_bar,
-                self.step_bar,
-                self.status,
-                self.waiting,
-                self.plot,
-            ]
-        )
+        bars = [self.epoch_bar, self.step_bar]
+        parts = [w.HTML(DARK_THEME_CSS), self.title, nodes, *bars, self.status, self.waiting]
+        self.panel = w.VBox([*parts, self.plot])
         self.panel.add_class("ddpnb-progress")
         display(self.panel)
         self.update()
@@ -270,11 +244,10 @@ class WidgetProgress:
         steps = self.job.node_steps()  # optimizer steps, from the hang watch
         for n, state in self.job.node_status().items():
             color = STATUS_COLORS.get(state.split(" ")[0], "#888")
-            ranks = range(n * self.job.nproc_per_node, (n + 1) * self.job.nproc_per_node)
-            role = " (master, hosts the rendezvous)" if n == 0 else ""
-            hosts = self.job.hosts  # real hosts (SSH): name each node's
-            if hosts:
-                role = f" on {escape(hosts[n])}{role}"
+            per, first = self.job.nproc_per_node, n * self.job.nproc_per_node
+            ranks = f"rank {first}" if per == 1 else f"ranks {first}-{first + per - 1}"
+            role = f" on {escape(self.job.hosts[n])}" if self.job.hosts else ""  # SSH's hosts
+            role += " (master, hosts the rendezvous)" if n == 0 else ""
             last = escape(self.job.last_line(n)[:200])  # the node's latest line; CSS cuts its end
             if n in steps:
                 last = f"{steps[n]} optimizer steps · {last}"
@@ -285,7 +258,7 @@ class WidgetProgress:
                 f"display:inline-block;min-width:5em;text-align:center'>{state}</span> "
                 f"<span class='ddpnb-elapsed' style='display:inline-block;min-width:3.5em;"
                 f"text-align:right'>{elapsed:.0f} s</span> "
-                f"<span style='opacity:0.8'>{_ranks_label(ranks)}{role}</span>"
+                f"<span style='opacity:0.8'>{ranks}{role}</span>"
                 f" <code class='ddpnb-last-line' style='opacity:0.7;font-size:85%;"
                 "white-space:nowrap;overflow:hidden;text-overflow:ellipsis;display:inline-block;"
                 f"max-width:42em;vertical-align:bottom'>{last}</code>"
@@ -294,8 +267,7 @@ class WidgetProgress:
                 self.node_rows[n].value = html
 
     def _set_waiting(self) -> None:
-        verdict = self.job.waiting
-        html = ""
+        verdict, html = self.job.waiting, ""
         if verdict is not None and verdict.kind in WAITING_STYLE:
             label, color = WAITING_STYLE[verdict.kind]
             html = (
@@ -342,8 +314,7 @@ class WidgetProgress:
         if len(rows) != self.plotted and now - self.last_plot > PLOT_INTERVAL and rows:
             self.plot.value = self._render(rows)
             self.plot.layout.display = None
-            self.plotted = len(rows)
-            self.last_plot = now
+            self.plotted, self.last_plot = len(rows), now
             self.plot_updates += 1
 
     def _render(self, rows: list[dict]) -> bytes:
@@ -380,11 +351,9 @@ class WidgetProgress:
     def close(self, job: Followed) -> None:
         self.last_plot = 0.0
         self.update()
-        done = job.error is None
         stopped = isinstance(job.error, KeyboardInterrupt)
         for bar in (self.epoch_bar, self.step_bar):
-            bar.bar_style = "success" if done else "warning" if stopped else "danger"
-        if done:
-            self.epoch_bar.value = self.epoch_bar.max
-            self.step_bar.value = self.step_bar.max
+            bar.bar_style = "warning" if stopped else "success" if job.error is None else "danger"
+            if job.error is None:
+                bar.value = bar.max
         self.status.value = _finish_line(job)

@@ -1,11 +1,5 @@
 """Papermill batch runs: one notebook over a grid of parameters, gathered in one table.
 
-Each point of the grid runs the notebook with papermill into ``DIR/<point>.ipynb``; its
-run directory goes to ``DIR/<point>/``; ``DIR/summary.csv`` holds one row per point
-(parameters, status, wall time, the run's final metrics) and ``DIR/curves.png`` every
-point's curves. ``DIR/.ddpnb/<point>.json`` records each point's state, so that running the
-same sweep again skips the points already done.
-
 ``ddpnb.sweep(notebook, out_dir, grid=..., parameters=...)`` or
 ``ddpnb sweep NOTEBOOK --out DIR [-p NAME VALUE]... [-g NAME V1,V2,...]...``
 """
@@ -16,6 +10,7 @@ import ast
 import csv
 import hashlib
 import html
+import io
 import itertools
 import json
 import os
@@ -29,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .metrics import load_metrics
+from .metrics import load_metrics, read_json
 from .report import Table, _cell
 
 #: Notebook parameters that name where runs are written: pointed inside ``DIR/<point>/``.
@@ -43,33 +38,20 @@ INTERRUPT_GRACE = 10.0  # seconds an interrupted cell has to stop its run before
 MAX_NAME = 100  # characters of a point's name (file names stay well under 255 bytes)
 
 
-# -- command-line values, as papermill's CLI reads them ----------------------------------
-
-
 def resolve_type(text: str) -> Any:
     """A ``-p`` value as papermill's CLI reads it: True, False, None, an int, a float, or
-    the text itself.
+    the text itself (papermill's own function, so the two never disagree).
 
-    Example
-    -------
     >>> [resolve_type(t) for t in ("32", "0.1", "None", "True", "resnet18")]
     [32, 0.1, None, True, 'resnet18']
     """
-    if text in ("True", "False", "None"):
-        return {"True": True, "False": False, "None": None}[text]
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    from papermill.cli import _resolve_type
+
+    return _resolve_type(text)
 
 
 def parse_axis(name: str, text: str) -> list[Any]:
-    """The values of ``-g NAME V1,V2,...``, each read as a ``-p`` value.
-
-    Raises ConfigError when the axis or one of its values is empty.
-    """
+    """The values of ``-g NAME V1,V2,...``, each read as a ``-p`` value."""
     items = [item.strip() for item in text.split(",")]
     if not any(items):
         raise ConfigError(
@@ -95,22 +77,20 @@ def _text(value: Any) -> str:
     return json.dumps(value, default=str, separators=(",", ":"))
 
 
+def _shortened(name: str, raw: str) -> str:
+    return f"{name[: MAX_NAME - 9]}-{hashlib.sha1(raw.encode()).hexdigest()[:8]}"
+
+
 def _safe(text: str) -> str:
     """``text`` as a file name: letters, digits and ``._+=,-`` kept, the rest ``_``."""
     name = re.sub(r"[^A-Za-z0-9._+=,-]", "_", text).lstrip(".") or "point"
-    if len(name) > MAX_NAME:
-        digest = hashlib.sha1(text.encode()).hexdigest()[:8]
-        name = f"{name[: MAX_NAME - 9]}-{digest}"
-    return name
+    return _shortened(name, text) if len(name) > MAX_NAME else name
 
 
 def point_names(points: Sequence[Mapping[str, Any]], default: str) -> list[str]:
-    """A readable, file-system-safe, distinct name per point: ``batch_size=32,lr=0.1``.
+    """A readable, file-system-safe, distinct name per point; ``default`` names the one point
+    of a sweep without a grid.
 
-    ``default`` names the one point of a sweep without a grid.
-
-    Example
-    -------
     >>> point_names([{"batch_size": 32, "data_dir": "/data/a b"}], "nb")
     ['batch_size=32,data_dir=_data_a_b']
     """
@@ -118,7 +98,7 @@ def point_names(points: Sequence[Mapping[str, Any]], default: str) -> list[str]:
     names = [_safe(r) for r in raw]
     for i, name in enumerate(names):
         if names.count(name) > 1:  # two values made safe alike: tell them apart
-            names[i] = f"{name[: MAX_NAME - 9]}-{hashlib.sha1(raw[i].encode()).hexdigest()[:8]}"
+            names[i] = _shortened(name, raw[i])
     return names
 
 
@@ -127,15 +107,13 @@ class Point:
     where its notebook, its runs and its record go."""
 
     def __init__(self, name: str, values: dict, parameters: dict, out_dir: Path, cwd: Path):
-        self.name, self.values, self.parameters = name, values, parameters
+        self.name, self.values, self.parameters, self.cwd = name, values, parameters, cwd
         self.notebook = out_dir / f"{name}.ipynb"
         self.folder = out_dir / name
         self.record_path = out_dir / STATE / f"{name}.json"
-        self.cwd = cwd
 
     def run_dirs(self) -> list[Path]:
-        """The run directories this point wrote: its ``run_dir``, or those under its
-        ``run_root``, each holding a ``metrics.jsonl``."""
+        """The run directories (with a ``metrics.jsonl``) of its ``run_dir`` or ``run_root``."""
         found = []
         for name in RUN_DIR_PARAMETERS:
             value = self.parameters.get(name)
@@ -148,22 +126,28 @@ class Point:
                 found += sorted(p for p in path.iterdir() if (p / "metrics.jsonl").is_file())
         return found
 
+    def final(self) -> dict:
+        """The last epoch's numbers of its run ({} unless it has exactly one)."""
+        runs = self.run_dirs()
+        return load_metrics(runs[0]).final if len(runs) == 1 else {}
+
     def record(self) -> dict:
-        try:
-            value = json.loads(self.record_path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return value if isinstance(value, dict) else {}
+        return read_json(self.record_path)
 
     def write_record(self, **record: Any) -> None:
         self.record_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.record_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"point": self.name, **record}, indent=1, default=str) + "\n")
-        os.replace(tmp, self.record_path)
+        text = json.dumps({"point": self.name, **record}, indent=1, default=str) + "\n"
+        _write(self.record_path, text)
 
     def is_done(self) -> bool:
-        """Its notebook exists and finished without error."""
         return self.record().get("status") == "done" and self.notebook.is_file()
+
+
+def _write(path: Path, text: str) -> None:
+    """Write through a temporary file, so that a reader never sees half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, newline="")
+    os.replace(tmp, path)
 
 
 def notebook_parameters(notebook: Path) -> dict[str, Any]:
@@ -275,10 +259,8 @@ def _check_run_dirs_apart(points: list[Point]) -> None:
             seen[key] = point.name
 
 
-def _check_existing(points: list[Point], notebook: Path, overwrite: bool) -> None:
-    """Nothing a user produced is replaced without ``overwrite``."""
-    if overwrite:
-        return
+def _check_existing(points: list[Point], notebook: Path) -> None:
+    """Nothing a user produced is replaced (without ``overwrite``)."""
     for point in points:
         record = point.record()
         taken = [p for p in (point.notebook, point.folder) if p.exists()]
@@ -301,17 +283,14 @@ def _differences(record: dict, notebook: Path, point: Point) -> list[str]:
     changed = []
     if record.get("notebook") != str(notebook):
         changed.append(f"notebook {record.get('notebook')} then, {notebook} now")
-    then, now = _jsonable(record.get("parameters") or {}), _jsonable(point.parameters)
+    # As they read back from a record: tuples become lists, paths text.
+    given = (record.get("parameters") or {}, point.parameters)
+    then, now = (json.loads(json.dumps(d, default=str)) for d in given)
     for name in dict.fromkeys([*then, *now]):
         if then.get(name, ...) != now.get(name, ...):
             before, after = (repr(d[name]) if name in d else "unset" for d in (then, now))
             changed.append(f"{name} {before} then, {after} now")
     return changed
-
-
-def _jsonable(value: Any) -> Any:
-    """``value`` as it reads back from a record (tuples become lists, paths text)."""
-    return json.loads(json.dumps(value, default=str))
 
 
 # -- running one point ---------------------------------------------------------------------
@@ -329,23 +308,16 @@ def _recording_kernel_manager(seen: list):
     return Recording
 
 
-def _kernel_groups(managers: list) -> list[int]:
-    """The process groups of the kernels started so far (each kernel leads its own)."""
-    groups = []
-    for km in managers:
-        provisioner = getattr(km, "provisioner", None)
-        pgid = getattr(provisioner, "pgid", None)
-        if pgid:
-            groups.append(pgid)
-    return groups
-
-
-def _signal_groups(groups: list[int], sig: int) -> None:
+def _signal_kernels(managers: list, sig: int, skip: set[int] = frozenset()) -> set[int]:
+    """Signal the process group of each kernel started so far (each leads its own)."""
+    groups = {getattr(getattr(km, "provisioner", None), "pgid", None) for km in managers}
+    groups -= {None, 0, *skip}
     for pgid in groups:
         try:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+    return groups
 
 
 def _stop_point(managers: list, finished: threading.Event, grace: float) -> None:
@@ -357,13 +329,11 @@ def _stop_point(managers: list, finished: threading.Event, grace: float) -> None
     deadline = time.monotonic() + grace
     try:
         while not finished.is_set() and time.monotonic() < deadline:
-            fresh = [g for g in _kernel_groups(managers) if g not in interrupted]
-            _signal_groups(fresh, signal.SIGINT)
-            interrupted.update(fresh)
+            interrupted |= _signal_kernels(managers, signal.SIGINT, skip=interrupted)
             finished.wait(0.2)
     except KeyboardInterrupt:
         pass
-    _signal_groups(_kernel_groups(managers), signal.SIGKILL)
+    _signal_kernels(managers, signal.SIGKILL)
     try:
         finished.wait(2.0)  # papermill notices and writes the notebook as far as it ran
     except KeyboardInterrupt:
@@ -371,11 +341,10 @@ def _stop_point(managers: list, finished: threading.Event, grace: float) -> None
 
 
 def _first_line(error: BaseException) -> str:
-    ename, evalue = getattr(error, "ename", None), getattr(error, "evalue", None)
-    if ename is not None:  # papermill's PapermillExecutionError: the cell's own exception
-        text = f"{ename}: {evalue}" if evalue else str(ename)
-    else:
-        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    name, value = type(error).__name__, str(error)
+    if getattr(error, "ename", None) is not None:  # papermill's: the cell's own exception
+        name, value = str(error.ename), getattr(error, "evalue", None)
+    text = f"{name}: {value}" if value else name
     return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
 
 
@@ -407,8 +376,7 @@ def _execute(point: Point, source: Path, timeout: float | None, kernel_name: str
         finally:
             finished.set()
 
-    thread = threading.Thread(target=run, name=f"ddpnb-sweep {point.name}", daemon=True)
-    thread.start()
+    threading.Thread(target=run, name=f"ddpnb-sweep {point.name}", daemon=True).start()
     try:
         finished.wait()
     except KeyboardInterrupt:
@@ -417,38 +385,31 @@ def _execute(point: Point, source: Path, timeout: float | None, kernel_name: str
     return _first_line(outcome[0]) if outcome else ""
 
 
-def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: str | None):
-    """Run one point (its folder cleared first), recording its state as it goes."""
+def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: str | None) -> str:
+    """Run one point (its folder cleared first), recording its state as it goes; its status."""
     if point.folder.is_dir() and point.record():  # ours: a failed or redone point's runs
         shutil.rmtree(point.folder)
     point.folder.mkdir(parents=True, exist_ok=True)
     base = {"notebook": str(source), "parameters": point.parameters}
     point.write_record(status="running", **base)
-    start = time.monotonic()
-    try:
+    start, status, error = time.monotonic(), "interrupted", "interrupted"
+    try:  # Ctrl-C leaves the point interrupted
         error = _execute(point, source, timeout, kernel_name)
-    except KeyboardInterrupt:
-        wall = time.monotonic() - start
-        point.write_record(status="interrupted", wall_s=wall, error="interrupted", **base)
-        raise
-    wall = time.monotonic() - start
-    status = "failed" if error else "done"
-    point.write_record(status=status, wall_s=wall, error=error, **base)
+        status = "failed" if error else "done"
+    finally:
+        point.write_record(status=status, wall_s=time.monotonic() - start, error=error, **base)
+    return status
 
 
 # -- the table ---------------------------------------------------------------------------
 
 
 class SweepResult(Table):
-    """The sweep's table: one row dict per point (its parameters, ``status``, ``wall_s``,
-    the final ``val_acc``, ``val_loss``, ``images_per_second``, ``world_size``, the
-    ``error``'s first line, the ``notebook``). Prints as a text table, renders as HTML in a
-    notebook; ``summary.csv`` holds the same rows.
+    """The sweep's table, one row per point as in ``summary.csv`` (its parameters,
+    ``status``, ``wall_s``, the final ``METRICS``, the ``error``'s first line, ``notebook``).
 
-    Attributes: ``out_dir``, ``axes`` (the grid's names), ``fixed`` (the parameters every
-    point shares), ``runs`` (each point's run directories), ``summary`` (the CSV's path),
-    ``figure`` (``curves.png``'s path; ``None`` while no run has metrics), ``ok`` (every
-    point done or skipped).
+    Also ``axes`` (the grid's names), ``fixed`` (the parameters every point shares), ``runs``
+    (each point's run directories), ``summary`` and ``figure`` (``None`` without curves).
     """
 
     def __init__(self, rows, out_dir: Path, axes: list[str], fixed: dict, runs: dict):
@@ -475,20 +436,14 @@ class SweepResult(Table):
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        rows = self.shown()
-        for shown, row in zip(rows, self):
-            shown["error"] = row.get("error", "")
-        header = list(rows[0]) if rows else []
-        head = "".join(f"<th>{html.escape(k)}</th>" for k in header)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(_cell(r[k]))}</td>" for k in header) + "</tr>"
-            for r in rows
-        )
+        rows = [{**shown, "error": row.get("error", "")} for shown, row in zip(self.shown(), self)]
+        cells = lambda r, tag: "".join(f"<{tag}>{html.escape(_cell(v))}</{tag}>" for v in r)
+        body = "".join(f"<tr>{cells(r.values(), 'td')}</tr>" for r in rows)
         fixed = ", ".join(f"{k}={_text(v)}" for k, v in self.fixed.items())
         caption = html.escape(f"sweep in {self.out_dir}" + (f"; fixed: {fixed}" if fixed else ""))
         return (
-            f"<table><caption>{caption}</caption><thead><tr>{head}</tr></thead>"
-            f"<tbody>{body}</tbody></table>"
+            f"<table><caption>{caption}</caption><thead><tr>{cells(rows[0] if rows else [], 'th')}"
+            f"</tr></thead><tbody>{body}</tbody></table>"
         )
 
     def curves(self):
@@ -510,11 +465,12 @@ def plot_points(runs: Mapping[str, Sequence[Path]]):
     point's name (``point/run`` for a point with several); ``None`` when there are none."""
     from .plot import plot_curves
 
-    dirs, labels = [], []
-    for name, paths in runs.items():
-        for path in paths:
-            dirs.append(path)
-            labels.append(name if len(paths) == 1 else f"{name}/{Path(path).name}")
+    dirs = [path for paths in runs.values() for path in paths]
+    labels = [
+        name if len(paths) == 1 else f"{name}/{Path(path).name}"
+        for name, paths in runs.items()
+        for path in paths
+    ]
     return plot_curves(dirs, labels=labels) if dirs else None
 
 
@@ -525,41 +481,34 @@ def _row(point: Point, status: str) -> dict:
     for name, value in point.parameters.items():
         row[name if name not in RESULT_KEYS else f"parameter {name}"] = _text(value)
     row.update(point.values)  # the grid's values keep their type (numbers line up right)
-    runs = point.run_dirs()
-    final = load_metrics(runs[0]).final if len(runs) == 1 else {}
+    final = point.final()
     wall = record.get("wall_s")
     ran = isinstance(wall, (int, float)) and status != "not run"
-    row.update(
+    return row | dict(
         status=status,
         wall_s=round(wall, 1) if ran else "",
         **{k: final.get(k, "") for k in METRICS},
         error=record.get("error", "") if status == "failed" else "",
         notebook=point.notebook.name if point.notebook.exists() else "",
     )
-    return row
 
 
 def write_summary(rows: list[dict], path: Path) -> None:
     """The rows as CSV (written to a temporary file, then moved into place)."""
-    header = list(dict.fromkeys(k for row in rows for k in row))
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, header)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, list(dict.fromkeys(k for row in rows for k in row)))
+    writer.writeheader()
+    writer.writerows(rows)
+    _write(path, text.getvalue())
 
 
 def _gather(points: list[Point], statuses: dict[str, str], grid: Mapping, fixed: Mapping):
     """The table as it stands, written to summary.csv. A point not reached in this sweep
     reads "done" when an earlier one did it, else "not run"."""
-    rows, runs = [], {}
-    for p in points:
-        status = statuses.get(p.name) or ("done" if p.is_done() else "not run")
-        rows.append(_row(p, status))
-        runs[p.name] = p.run_dirs()
+    rows = [_row(p, statuses.get(p.name) or ("done" if p.is_done() else "not run")) for p in points]
     out_dir = points[0].notebook.parent
     write_summary(rows, out_dir / "summary.csv")
+    runs = {p.name: p.run_dirs() for p in points}
     return SweepResult(rows, out_dir, list(grid), dict(fixed), runs)
 
 
@@ -583,8 +532,7 @@ def _say(point: Point, index: int, total: int, status: str) -> None:
     elif status == "failed":
         text = f"failed after {wall:.0f} s: {record.get('error')} (see {_shown(point.notebook)})"
     else:
-        runs = point.run_dirs()
-        final = load_metrics(runs[0]).final if len(runs) == 1 else {}
+        final = point.final()
         figures = f": val_acc {final['val_acc']:.4f}" if "val_acc" in final else ""
         text = f"done in {wall:.0f} s{figures}"
     print(f"[{index}/{total}] {point.name}: {text}", flush=True)
@@ -603,51 +551,22 @@ def sweep(
 ) -> SweepResult:
     """Run ``notebook`` with papermill once per point of ``grid``; gather one table.
 
-    Parameters
-    ----------
-    notebook:
-        The notebook; its cell tagged ``parameters`` names what may be set.
-    out_dir:
-        Where everything goes: ``<point>.ipynb`` per point, ``<point>/`` with its runs,
-        ``summary.csv``, ``curves.png``. A point's name is its grid values,
-        ``batch_size=32,lr=0.1`` (characters other than letters, digits and ``._+=,-``
-        become ``_``); a sweep without a grid has one point, named after the notebook.
-    grid:
-        ``{name: [values...]}``: the points are the product of the axes.
-    parameters:
-        ``{name: value}`` for every point.
-    overwrite:
-        Redo the points already done (and replace outputs a sweep did not write).
-        Without it a point already done is skipped and kept, and a failed or interrupted
-        one runs again.
-    timeout:
-        Seconds each cell may run (``None``: no limit); a cell over it fails its point.
-    kernel_name:
-        The Jupyter kernel (default: the notebook's own).
-    cwd:
-        The folder the notebooks run in (default: the current folder), so relative paths
-        in the parameters (``data_dir="data/digits"``) mean what they mean here.
+    ``grid`` (``{name: [values...]}``) spans the points, ``parameters`` hold for every one;
+    the notebook's cell tagged ``parameters`` names what may be set. A point named
+    ``batch_size=32,lr=0.1`` (the notebook's name without a grid) runs into
+    ``out_dir/<point>.ipynb`` and ``out_dir/<point>/``: a notebook parameter ``run_dir`` or
+    ``run_root`` not given becomes ``out_dir/<point>/<the default's last part>``. Then
+    ``out_dir/summary.csv`` (rewritten after each point) and ``curves.png``;
+    ``out_dir/.ddpnb/<point>.json`` records each point, so a rerun skips the points done.
 
-    A notebook parameter ``run_dir`` or ``run_root`` not given is set to
-    ``out_dir/<point>/<the default's last part>`` (notebook 02's ``runs/baseline`` becomes
-    ``out_dir/batch_size=32/baseline``), so runs never overwrite each other. One given (a
-    grid axis, or ``parameters`` for a single point) is used as given; two points that
-    would share one are refused.
+    ``overwrite``: redo the points done (and replace outputs a sweep did not write); a
+    failed or interrupted point runs again anyway. ``timeout``: seconds each cell may run
+    (``None``: no limit). ``cwd``: the folder the notebooks run in (default: the current
+    one), so relative paths in the parameters mean what they mean here.
 
-    Returns
-    -------
-    SweepResult: the table (also ``out_dir/summary.csv``, rewritten after every point).
-    ``result.ok`` says whether every point succeeded; a failed point does not stop the
-    others, and its row holds the error's first line.
-
-    Raises
-    ------
-    ConfigError: before anything runs, for a missing notebook, an unknown parameter (the
-    message lists the notebook's), an empty grid axis, a name both in ``grid`` and
-    ``parameters``, or outputs in ``out_dir`` that this sweep would replace.
-    KeyboardInterrupt: Ctrl-C stops the running point (its kernel is interrupted, then
-    shut down; a ddpnb run in it stops with it), records it as interrupted and keeps the
-    finished points and the table.
+    A failed point does not stop the others (``result.ok``). ConfigError comes before
+    anything runs; Ctrl-C stops the running point (its kernel interrupted, then killed,
+    with any ddpnb run in it) and keeps the finished points and the table.
 
     Example
     -------
@@ -657,7 +576,8 @@ def sweep(
     """
     points = plan(notebook, out_dir, grid, parameters, cwd)
     source = _absolute(notebook, points[0].cwd)
-    _check_existing(points, source, overwrite)
+    if not overwrite:
+        _check_existing(points, source)
     points[0].notebook.parent.mkdir(parents=True, exist_ok=True)
     grid, parameters = dict(grid or {}), dict(parameters or {})
     statuses: dict[str, str] = {}
@@ -667,12 +587,11 @@ def sweep(
         else:
             print(f"[{i}/{len(points)}] {point.name}: running", flush=True)
             try:
-                _run_point(point, source, timeout, kernel_name)
+                statuses[point.name] = _run_point(point, source, timeout, kernel_name)
             except KeyboardInterrupt:
                 statuses[point.name] = "interrupted"
                 _gather(points, statuses, grid, parameters)  # the table as it stands
                 raise
-            statuses[point.name] = point.record().get("status", "failed")
         _say(point, i, len(points), statuses[point.name])
         result = _draw(_gather(points, statuses, grid, parameters))
     return result

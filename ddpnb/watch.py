@@ -1,19 +1,13 @@
 """Where this rank is: its Python stack, written every few seconds, from inside the worker.
 
-ddpnb loads this file into every worker torchrun starts (``RUN_DIR/.ddpnb/ddpnb_watch.py``,
-imported by the ``sitecustomize.py`` beside it, which ``PYTHONPATH`` names). A daemon
-thread writes ``$DDPNB_WATCH/rank-<RANK>.json`` every ``$DDPNB_WATCH_INTERVAL`` seconds:
-the main thread's stack (``sys._current_frames``: readable while the main thread waits
-inside gloo or NCCL, which release Python's lock there), how long that stack has stayed
-the same, and the optimizer steps taken. No ptrace, no signal, no edit of the script: it
-works wherever the worker runs (this machine, SSH hosts, Slurm nodes, containers).
-
-The launcher reads these files (``ddpnb.hang``): ``job.stacks()``, ``ddpnb stacks``, and
-the hang watch that names ranks waiting in different collectives. Writing one small file
-every 2 s costs a run nothing measurable (bench/run.py measures it side by side).
-
-Standard library only; torch is touched only to register an optimizer-step hook once the
-script has imported it (``install``, called by the sitecustomize).
+Copied into every run as ``RUN_DIR/.ddpnb/ddpnb_watch.py`` and loaded into each worker by
+the ``sitecustomize.py`` beside it (``PYTHONPATH`` names the folder). A daemon thread writes
+``$DDPNB_WATCH/rank-<RANK>.json`` every ``$DDPNB_WATCH_INTERVAL`` seconds: the main thread's
+stack (``sys._current_frames`` reads it while that thread waits inside gloo or NCCL, which
+release Python's lock), how long that stack has stayed the same, and the optimizer steps
+taken. No ptrace, no signal, no edit of the script, so it works wherever the worker runs;
+one small file every 2 s costs nothing measurable (bench/hang_watch.py measures it).
+``ddpnb.hang`` reads the files. Standard library only: torch is touched only by ``install``.
 """
 
 from __future__ import annotations
@@ -42,8 +36,7 @@ def activate() -> None:
     folder = os.environ.get(DIR_ENV)
     if not folder or "RANK" not in os.environ or _watch is not None:
         return
-    owner = os.environ.get(OWNER_ENV)
-    if owner and owner != str(os.getpid()):
+    if (os.environ.get(OWNER_ENV) or str(os.getpid())) != str(os.getpid()):
         return  # a process the worker started (torch.multiprocessing.spawn, a subprocess)
     os.environ[OWNER_ENV] = str(os.getpid())
     os.makedirs(folder, exist_ok=True)
@@ -54,11 +47,10 @@ def activate() -> None:
 
 def install(torch) -> None:
     """Count optimizer steps (called in the main thread right after ``import torch``)."""
-    if _watch is None:
-        return
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    if _watch is not None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    register_optimizer_step_post_hook(_watch.stepped)
+        register_optimizer_step_post_hook(_watch.stepped)
 
 
 class _Watch:
@@ -69,21 +61,20 @@ class _Watch:
         self.interval = interval
         self.pid = os.getpid()
         self.main = threading.main_thread().ident
-        # The user's files: the run directory's (the working directory at start), wherever
-        # the script is in it.
+        # The user's files: those in the run directory (the working directory at start).
         self.run_dir = os.path.realpath(os.getcwd()) + os.sep
         self.mine: dict[str, str | None] = {}
-        self.steps = 0
-        self.seq = 0
+        self.steps = self.seq = 0
         self.last: tuple | None = None  # (stack, steps) of the previous snapshot
         self.moved_at = time.time()
         self.ended = False
+        env = lambda name: int(os.environ.get(name) or 0)
         self.about = {
-            "rank": int(os.environ["RANK"]),
-            "local_rank": int(os.environ.get("LOCAL_RANK") or 0),
-            "node": int(os.environ.get("GROUP_RANK") or 0),
-            "world_size": int(os.environ.get("WORLD_SIZE") or 1),
-            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+            "rank": env("RANK"),
+            "local_rank": env("LOCAL_RANK"),
+            "node": env("GROUP_RANK"),
+            "world_size": env("WORLD_SIZE") or 1,
+            "restart": env("TORCHELASTIC_RESTART_COUNT"),
             "host": socket.gethostname(),
             "pid": self.pid,
         }
@@ -112,17 +103,13 @@ class _Watch:
         return out[::-1]
 
     def _mine(self, filename: str) -> str | None:
-        """The file's path in the run directory when it is the user's (in the run directory)."""
+        """The file's path in the run directory when it is the user's, else None."""
         if filename not in self.mine:
             path = os.path.realpath(filename)
             ours = path.startswith(self.run_dir + HOOKS_DIR + os.sep)
             ours = ours or os.path.basename(path) == "ddpnb_reporting.py"
-            ok = (
-                path.startswith(self.run_dir)
-                and not ours
-                and not filename.startswith("<")
-                and "site-packages" not in path
-            )
+            ok = path.startswith(self.run_dir) and not ours and not filename.startswith("<")
+            ok = ok and "site-packages" not in path
             self.mine[filename] = path[len(self.run_dir) :] if ok else None
         return self.mine[filename]
 
@@ -136,8 +123,7 @@ class _Watch:
         if key != self.last:
             self.last, self.moved_at = key, now
         self.seq += 1
-        torch = sys.modules.get("torch")
-        dist = getattr(torch, "distributed", None)
+        dist = getattr(sys.modules.get("torch"), "distributed", None)
         record = {
             **self.about,
             "state": state,
