@@ -99,13 +99,11 @@ class NetworkReport:
 
 
 class _Agent:
-    """meshcheck's agent on one host, over one ssh session: send lines, read lines."""
+    """meshcheck's agent on one host, over one ssh session: its records, one stdout line each."""
 
     def __init__(self, ssh: Ssh, host: Host, python: str, args: dict) -> None:
-        self.host, self.python = host, python
+        self.python, self.records, self.stderr = python, queue.Queue(), []
         line = remote_line([python, "-c", AGENT_SOURCE, "--agent", json.dumps(args)])
-        self.lines: queue.Queue = queue.Queue()
-        self.stderr: list[str] = []
         self.proc = subprocess.Popen(
             ssh.command(host, line),
             stdin=subprocess.PIPE,
@@ -116,33 +114,33 @@ class _Agent:
             env=dict(os.environ),
         )
         threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        self.err = threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr))
+        self.err.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
+            if line.startswith(meshcheck.TAG):
+                self.records.put(json.loads(line[len(meshcheck.TAG) :]))
+        self.records.put(None)
 
-    def expect(self, tag: str, deadline: float) -> dict | str:
-        """The JSON after ``tag``, or why it did not come."""
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                code = self.proc.wait()
-                return _explain(code, "".join(self.stderr), self.python)
-            if line.startswith(tag + " "):
-                return json.loads(line.split(" ", 1)[1])
-        return "did not answer the network check in time (ssh or python hung)"
-
-    def send(self, obj: dict) -> None:
+    def record(self, deadline: float) -> dict:
+        """Its next record, or ``{'error': why none came}``."""
         try:
-            self.proc.stdin.write(json.dumps(obj) + "\n")
+            got = self.records.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return {"error": "did not answer the network check in time (ssh or python hung)"}
+        if got is None:
+            code = self.proc.wait()
+            self.err.join(2)
+            return {"error": _explain(code, "".join(self.stderr), self.python)}
+        return got
+
+    def send(self, nodes: list) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(nodes) + "\n")
             self.proc.stdin.flush()
         except OSError:
-            pass  # it has ended: expect() says why
+            pass  # it has ended: record() says why
 
     def close(self) -> None:
         try:
@@ -224,7 +222,7 @@ def _run_agents(
     user_env: Mapping[str, str],
     timeout: float,
 ) -> list[dict]:
-    """Start one agent per host, trade their listeners, collect what each saw."""
+    """One agent per host; relay their facts to every one of them; what each then saw."""
     deadline = time.monotonic() + timeout
     connect_timeout = min(meshcheck.CONNECT_TIMEOUT, timeout / 4)
     base = {
@@ -232,30 +230,21 @@ def _run_agents(
         "master_port": master_port,
         "ifname": user_env.get("GLOO_SOCKET_IFNAME") or None,
         "connect_timeout": connect_timeout,
-        "timeout": timeout + 5,  # the agent's own end, should this side vanish
+        "timeout": timeout,
     }
     agents: list[_Agent] = []
     try:
         for n, host in enumerate(hosts):
-            agents.append(_Agent(ssh, host, python, {**base, "node0": n == 0}))
-        first_by = deadline - connect_timeout - 2
+            agents.append(_Agent(ssh, host, python, {**base, "rank": n}))
         nodes = [{"name": h.spec} for h in hosts]
-        for node, agent in zip(nodes, agents):
-            got = agent.expect("DDPNB-NET1", first_by)
-            node.update(got if isinstance(got, dict) else {"error": got})
-        listening = {
-            str(n): (node["facts"]["address"], node["mesh_port"])
-            for n, node in enumerate(nodes)
-            if node.get("mesh_port")
-        }
-        for n, (node, agent) in enumerate(zip(nodes, agents)):
-            if not node.get("error"):
-                targets = {k: v for k, v in listening.items() if k != str(n)}
-                agent.send({"targets": targets, "left": deadline - time.monotonic()})
-        for node, agent in zip(nodes, agents):
-            if not node.get("error"):
-                got = agent.expect("DDPNB-NET2", deadline)
-                node.update(got if isinstance(got, dict) else {"error": got})
+        for by in (deadline - connect_timeout - 2, deadline):
+            for node, agent in zip(nodes, agents):
+                if "error" not in node:
+                    node.update(agent.record(by))
+            if by < deadline:  # the facts: every agent gets every live host's
+                live = [None if "error" in node else node for node in nodes]
+                for agent in agents:
+                    agent.send(live)
         return nodes
     finally:
         for agent in agents:
