@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 CONNECT_TIMEOUT = 5.0  # seconds one TCP connect may take before it counts as dropped
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -220,24 +221,19 @@ def connect_all(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str
 
 def listen(addr: str, port: int) -> int:
     """Accept on addr:port from now on, each client closing first (no TIME_WAIT here)."""
-    sock = socket.create_server((addr, port), backlog=64)
+    sock = socket.create_server((addr, port), backlog=128)
 
     def drain(conn: socket.socket) -> None:
-        conn.settimeout(10)
         with conn:
+            conn.settimeout(10)
             try:
-                while conn.recv(64):
-                    pass
+                conn.recv(1)  # returns once the client has closed
             except OSError:
                 pass
 
     def serve() -> None:
         while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=drain, args=(conn,), daemon=True).start()
+            threading.Thread(target=drain, args=(sock.accept()[0],), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     return sock.getsockname()[1]
@@ -275,56 +271,6 @@ def mesh(me: dict, share, rank: int, port: int, deadline: float, connect_timeout
 # -- what is wrong, and the fix ---------------------------------------------------------
 
 
-def diagnose(nodes: list[dict], master_addr: str, master_port: int) -> list[tuple[str, str]]:
-    """Every problem as (node name, what is wrong and the fix); empty when all is well.
-
-    ``nodes[n]`` holds ``name``, and either ``error`` or ``facts`` with ``connects``
-    (``'master'`` and each peer's node number -> what its connect saw), ``versions`` and,
-    on node 0, ``listen_error``.
-    """
-    problems = [(n["name"], n["error"]) for n in nodes if n.get("error")]
-    live = [n for n in nodes if n.get("facts")]
-    if not live:
-        return problems
-    problems += _diagnose_addresses(nodes, master_addr, master_port)
-    problems += _diagnose_master(nodes, master_addr, master_port)
-    problems += _diagnose_mesh(nodes)
-    problems += _diagnose_versions(nodes)
-    return problems
-
-
-def _node0_addresses(nodes: list[dict]) -> list[str]:
-    facts = nodes[0].get("facts") or {}
-    return [a for name, addrs in facts.get("interfaces", {}).items() for a in addrs if name != "lo"]
-
-
-def _diagnose_addresses(nodes: list[dict], master_addr: str, port: int) -> list[tuple[str, str]]:
-    problems = []
-    one_machine = len({n["facts"]["machine"] for n in nodes if n.get("facts")}) == 1
-    hint = ", ".join(_node0_addresses(nodes)) or "node 0's address on the network the nodes share"
-    for n in nodes:
-        f = n.get("facts")
-        if not f:
-            continue
-        if not f["master"]:
-            problems.append(
-                (n["name"], f"cannot resolve master_addr {master_addr!r}: use node 0's address "
-                 f"({hint}) for master_addr, or add the name to its /etc/hosts or DNS")
-            )  # fmt: skip
-        elif f["master"].startswith("127.") and not one_machine:
-            problems.append(
-                (n["name"], f"resolves master_addr {master_addr!r} to {f['master']}, its own "
-                 f"loopback, not node 0: use node 0's address ({hint}) for master_addr")
-            )  # fmt: skip
-        elif f["user_ifname"] and not f["address"]:
-            problems.append(
-                (n["name"], f"has no interface {f['user_ifname']} with an IPv4 address "
-                 f"(GLOO_SOCKET_IFNAME was set): its interfaces are "
-                 f"{', '.join(sorted(f['interfaces']))}; unset it and ddpnb picks {f['dev']}")
-            )  # fmt: skip
-    return problems
-
-
 SEEN = {
     "refused": "refused (nothing listens there: wrong address or port)",
     "timed out": "timed out (a firewall drops it)",
@@ -332,48 +278,69 @@ SEEN = {
 }
 
 
-def master_problem(name: str, addr: str, port: int, seen: str, name0: str) -> str:
-    """What ``name`` saw connecting to node 0 at addr:port, and the fix."""
-    fix = {
-        "timed out": f"open TCP port {port} on node 0 ({name0}) to {name} in the firewall, "
-        "or pass a master_port it lets through",
-        "no route": f"use an address of node 0 on a network {name} shares for master_addr",
-    }.get(seen, f"check that {addr} is node 0's ({name0}) address and pass it as master_addr")
-    return f"cannot reach node 0 ({name0}) at {addr}:{port}: {SEEN.get(seen, seen)}. Fix: {fix}"
+def diagnose(nodes: list[dict], master_addr: str, port: int) -> list[tuple[str, str]]:
+    """Every problem as (node name, what is wrong and the fix); empty when all is well.
+
+    ``nodes[n]`` holds ``name``, and either ``error`` or ``facts``, ``mesh_port``,
+    ``connects`` (``'master'`` and each peer's node number -> what its connect saw),
+    ``versions`` and, on node 0, ``listen_error``.
+    """
+    problems = [(n["name"], n["error"]) for n in nodes if n.get("error")]
+    node0, live = nodes[0], [n for n in nodes if n.get("facts")]
+    if node0.get("facts") and node0.get("listen_error"):
+        problems.append((node0["name"], f"cannot listen on the rendezvous port {port} "
+                         f"({node0['listen_error']}): pass another master_port, or stop what "
+                         "holds it"))  # fmt: skip
+    ifaces = (node0.get("facts") or {}).get("interfaces", {})
+    hint = ", ".join(a for name, addrs in ifaces.items() if name != "lo" for a in addrs)
+    one_machine = len({n["facts"]["machine"] for n in live}) == 1
+    for n in live:
+        problems += [
+            (n["name"], text)
+            for text in _problems_of(n, nodes, master_addr, port, one_machine, hint or
+                                     "node 0's address on the network the nodes share")
+        ]  # fmt: skip
+    have = [n for n in nodes if n.get("versions")]
+    return problems + [
+        (n["name"], f"has {show_versions(n['versions'])} but {have[0]['name']} has "
+         f"{show_versions(have[0]['versions'])}: install the same torch build on every node")
+        for n in have[1:]
+        if version_key(n["versions"]) != version_key(have[0]["versions"])
+    ]  # fmt: skip
 
 
-def _diagnose_master(nodes: list[dict], master_addr: str, port: int) -> list[tuple[str, str]]:
-    name0 = nodes[0]["name"]
-    listen = nodes[0].get("facts") and nodes[0].get("listen_error")
-    if listen:
-        return [(name0, f"cannot listen on the rendezvous port {port} ({listen}): pass another "
-                 "master_port, or stop what holds it")]  # fmt: skip
-    problems = []
-    for n in nodes:
-        seen = (n.get("connects") or {}).get("master")
-        if not n.get("facts") or not n["facts"]["master"] or seen in (None, "ok"):
-            continue
-        problems.append(
-            (n["name"], master_problem(n["name"], n["facts"]["master"], port, seen, name0))
-        )
-    return problems
-
-
-def _diagnose_mesh(nodes: list[dict]) -> list[tuple[str, str]]:
-    problems = []
-    for n in nodes:
-        for peer, seen in sorted((n.get("connects") or {}).items()):
-            if peer == "master" or seen == "ok":
-                continue
+def _problems_of(n: dict, nodes: list[dict], master_addr: str, port: int, one_machine: bool,
+                 hint: str):  # fmt: skip
+    """What is wrong with node ``n``'s idea of master_addr, and with its connects."""
+    f, name, name0 = n["facts"], n["name"], nodes[0]["name"]
+    if not f["master"]:
+        yield (f"cannot resolve master_addr {master_addr!r}: use node 0's address ({hint}) for "
+               "master_addr, or add the name to its /etc/hosts or DNS")  # fmt: skip
+    elif f["master"].startswith("127.") and not one_machine:
+        yield (f"resolves master_addr {master_addr!r} to {f['master']}, its own loopback, not "
+               f"node 0: use node 0's address ({hint}) for master_addr")  # fmt: skip
+    elif f["user_ifname"] and not f["address"]:
+        yield (f"has no interface {f['user_ifname']} with an IPv4 address (GLOO_SOCKET_IFNAME "
+               f"was set): its interfaces are {', '.join(sorted(f['interfaces']))}; unset it "
+               f"and ddpnb picks {f['dev']}")  # fmt: skip
+    seen = n["connects"].get("master", "ok")
+    if seen != "ok":
+        fix = {
+            "timed out": f"open TCP port {port} on node 0 ({name0}) to {name} in the firewall, "
+            "or pass a master_port it lets through",
+            "no route": f"use an address of node 0 on a network {name} shares for master_addr",
+        }.get(seen, f"check that {f['master']} is node 0's ({name0}) address and pass it as "
+              "master_addr")  # fmt: skip
+        yield (f"cannot reach node 0 ({name0}) at {f['master']}:{port}: "
+               f"{SEEN.get(seen, seen)}. Fix: {fix}")  # fmt: skip
+    for peer, seen in sorted(n["connects"].items()):
+        if peer != "master" and seen != "ok":
             p = nodes[int(peer)]
-            f = p["facts"]
-            problems.append(
-                (n["name"], f"cannot connect to {p['name']} at {f['address']}:{p['mesh_port']} "
-                 f"(an ephemeral port, as gloo and NCCL use): {SEEN.get(seen, seen)}. Fix: open "
-                 f"TCP ports {f['ports']} ({p['name']}'s net.ipv4.ip_local_port_range) on "
-                 f"{p['name']} to {n['name']}, or narrow that range on every node and open it")
-            )  # fmt: skip
-    return problems
+            yield (f"cannot connect to {p['name']} at {p['facts']['address']}:{p['mesh_port']} "
+                   f"(an ephemeral port, as gloo and NCCL use): {SEEN.get(seen, seen)}. Fix: "
+                   f"open TCP ports {p['facts']['ports']} ({p['name']}'s "
+                   f"net.ipv4.ip_local_port_range) on {p['name']} to {name}, or narrow that "
+                   "range on every node and open it")  # fmt: skip
 
 
 def version_key(v: dict) -> tuple:
@@ -386,19 +353,6 @@ def show_versions(v: dict | None) -> str:
     if not v.get("torch"):
         return "no torch"
     return f"torch {v['torch']}, CUDA {v.get('cuda') or '-'}, NCCL {v.get('nccl') or '-'}"
-
-
-def _diagnose_versions(nodes: list[dict]) -> list[tuple[str, str]]:
-    have = [n for n in nodes if n.get("versions")]
-    if not have:
-        return []
-    base = have[0]
-    return [
-        (n["name"], f"has {show_versions(n['versions'])} but {base['name']} has "
-         f"{show_versions(base['versions'])}: install the same torch build on every node")
-        for n in have[1:]
-        if version_key(n["versions"]) != version_key(base["versions"])
-    ]  # fmt: skip
 
 
 def explain(problems: list[tuple[str, str]], head: str) -> str:
@@ -436,15 +390,13 @@ def run_agent(args: dict) -> int:
 
 def _store_share(store, rank: int, nnodes: int):
     """share() over a TCP store: set this node's key of the round, wait for every node's."""
-    import datetime
-
     rounds = itertools.count(1)
 
     def share(record: dict | None, by: float) -> list:
         keys = [f"meshcheck/{next(rounds)}/{n}" for n in range(nnodes)]
         store.set(keys[rank], json.dumps(record))
         try:
-            store.wait(keys, datetime.timedelta(seconds=max(0.1, by - time.monotonic())))
+            store.wait(keys, timedelta(seconds=max(0.1, by - time.monotonic())))
         except Exception:  # some did not report: read who did
             pass
         return [json.loads(store.get(k)) if store.check([k]) else None for k in keys]
@@ -465,8 +417,6 @@ def _wait_for_master(addr: str, port: int, deadline: float) -> str:
 
 def _slurm_mesh(args: argparse.Namespace, me: dict, deadline: float):
     """Every node's record through node 0's store, and the store; None when out of reach."""
-    import datetime
-
     from torch.distributed import TCPStore
 
     master = me["facts"]["master"]
@@ -476,7 +426,7 @@ def _slurm_mesh(args: argparse.Namespace, me: dict, deadline: float):
         me["connects"]["master"] = _wait_for_master(master, args.master_port, deadline)
     if me["connects"].setdefault("master", "ok") != "ok":
         return None, None
-    left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
     store = TCPStore(master, args.master_port, args.nnodes, args.node_rank == 0, timeout=left,
                      wait_for_workers=False)  # fmt: skip
     share = _store_share(store, args.node_rank, args.nnodes)
@@ -488,8 +438,6 @@ def _slurm_mesh(args: argparse.Namespace, me: dict, deadline: float):
 
 def _all_reduce(store, rank: int, nnodes: int, timeout: float) -> str | None:
     """One gloo all-reduce over the chosen interfaces; None when every node got nnodes."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
@@ -499,7 +447,7 @@ def _all_reduce(store, rank: int, nnodes: int, timeout: float) -> str | None:
             store=dist.PrefixStore("meshcheck/gloo", store),
             rank=rank,
             world_size=nnodes,
-            timeout=datetime.timedelta(seconds=max(1.0, timeout)),
+            timeout=timedelta(seconds=max(1.0, timeout)),
         )
         x = torch.ones(1)
         dist.all_reduce(x)
@@ -509,14 +457,10 @@ def _all_reduce(store, rank: int, nnodes: int, timeout: float) -> str | None:
     return None if int(x.item()) == nnodes else f"the gloo all-reduce gave {x.item()}"
 
 
-def write_env(path: str, facts: dict, backend: str) -> None:
-    """A shell file exporting the interface variables the user has not set."""
+def ifname_env(iface: str | None, backend: str, user_env) -> dict[str, str]:
+    """The interface variables to set to ``iface``: those ``backend`` reads, unless set."""
     names = IFNAME_VARS if backend == "nccl" else IFNAME_VARS[:1]
-    lines = [
-        f"export {v}={facts['iface']}" for v in names if facts["iface"] and v not in os.environ
-    ]
-    with open(path, "w") as f:
-        f.write("".join(line + "\n" for line in lines))
+    return {v: iface for v in names if iface and v not in user_env}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -543,31 +487,28 @@ def check_allocation(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     facts = local_facts(args.master_addr, os.environ.get("GLOO_SOCKET_IFNAME"))
     me = _new_record(facts, name=f"node {args.node_rank} ({facts['hostname']})")
-    if args.env_file:
-        write_env(args.env_file.replace("{node_rank}", str(args.node_rank)), facts, args.backend)
+    if args.env_file:  # what the torchrun step sources
+        with open(args.env_file.replace("{node_rank}", str(args.node_rank)), "w") as f:
+            env = ifname_env(facts["iface"], args.backend, os.environ)
+            f.write("".join(f"export {k}={v}\n" for k, v in env.items()))
     nodes, store = _slurm_mesh(args, me, deadline)
-    if nodes is None:  # this node cannot resolve node 0's address, or reach it
-        seen = me["connects"].get("master")
-        problems = [(me["name"], f"cannot resolve master_addr {args.master_addr!r}")]
-        if seen:
-            problems = [(me["name"], master_problem(me["name"], facts["master"],
-                                                    args.master_port, seen, "node 0"))]  # fmt: skip
-    else:
-        known = [rec or {"name": f"node {n}"} for n, rec in enumerate(nodes)]
-        problems = diagnose(known, args.master_addr, args.master_port) + [
-            (f"node {n}", f"did not report within {args.timeout:.0f} s: see its own output")
-            for n, rec in enumerate(nodes)
-            if rec is None
-        ]
-        if not problems:
-            if facts["iface"]:  # gloo binds where the check found the way to node 0
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", facts["iface"])
-            left = deadline - time.monotonic()
-            failed = _all_reduce(store, args.node_rank, args.nnodes, max(3.0, left))
-            problems = [(me["name"], failed)] if failed else []
+    rank = args.node_rank
+    known = nodes or [me if n == rank else None for n in range(args.nnodes)]  # out of reach
+    named = [rec or {"name": f"node {n}"} for n, rec in enumerate(known)]
+    problems = diagnose(named, args.master_addr, args.master_port) + [
+        (f"node {n}", f"did not report within {args.timeout:.0f} s: see its own output")
+        for n, rec in enumerate(nodes or [])
+        if rec is None
+    ]
+    if nodes and not problems:
+        if facts["iface"]:  # gloo binds where the check found the way to node 0
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", facts["iface"])
+        left = deadline - time.monotonic()
+        failed = _all_reduce(store, rank, args.nnodes, max(3.0, left))
+        problems = [(me["name"], failed)] if failed else []
     head = f"{me['name']}, interface {facts['iface']}: "
     if problems:
-        if args.node_rank == 0 or nodes is None:
+        if rank == 0 or nodes is None:
             print(explain(problems, head + "the network check failed"), file=sys.stderr)
         else:
             print(head + "the network check failed; node 0's output names every problem",

@@ -98,61 +98,6 @@ class NetworkReport:
     __str__ = table
 
 
-class _Agent:
-    """meshcheck's agent on one host, over one ssh session: its records, one stdout line each."""
-
-    def __init__(self, ssh: Ssh, host: Host, python: str, args: dict) -> None:
-        self.python, self.records, self.stderr = python, queue.Queue(), []
-        line = remote_line([python, "-c", AGENT_SOURCE, "--agent", json.dumps(args)])
-        self.proc = subprocess.Popen(
-            ssh.command(host, line),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # ours to end, by its process group
-            env=dict(os.environ),
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-        self.err = threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr))
-        self.err.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith(meshcheck.TAG):
-                self.records.put(json.loads(line[len(meshcheck.TAG) :]))
-        self.records.put(None)
-
-    def record(self, deadline: float) -> dict:
-        """Its next record, or ``{'error': why none came}``."""
-        try:
-            got = self.records.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            return {"error": "did not answer the network check in time (ssh or python hung)"}
-        if got is None:
-            code = self.proc.wait()
-            self.err.join(2)
-            return {"error": _explain(code, "".join(self.stderr), self.python)}
-        return got
-
-    def send(self, nodes: list) -> None:
-        try:
-            self.proc.stdin.write(json.dumps(nodes) + "\n")
-            self.proc.stdin.flush()
-        except OSError:
-            pass  # it has ended: record() says why
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.close()  # the agent reads end-of-file and exits
-            self.proc.wait(timeout=2)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait()
-
-
 def check_network(
     ssh: Ssh,
     hosts: list[Host],
@@ -232,30 +177,65 @@ def _run_agents(
         "connect_timeout": connect_timeout,
         "timeout": timeout,
     }
-    agents: list[_Agent] = []
+    agents: list[tuple[subprocess.Popen, queue.Queue]] = []
     try:
         for n, host in enumerate(hosts):
-            agents.append(_Agent(ssh, host, python, {**base, "rank": n}))
+            agents.append(_agent(ssh, host, python, {**base, "rank": n}))
         nodes = [{"name": h.spec} for h in hosts]
         for by in (deadline - connect_timeout - 2, deadline):
-            for node, agent in zip(nodes, agents):
-                if "error" not in node:
-                    node.update(agent.record(by))
-            if by < deadline:  # the facts: every agent gets every live host's
-                live = [None if "error" in node else node for node in nodes]
-                for agent in agents:
-                    agent.send(live)
+            for node, (_, records) in zip(nodes, agents):
+                try:
+                    if "error" not in node:
+                        node.update(records.get(timeout=max(0.0, by - time.monotonic())))
+                except queue.Empty:
+                    node["error"] = "did not answer the network check in time (ssh or python hung)"
+            if by < deadline:  # every agent gets every live host's facts
+                live = json.dumps([None if "error" in node else node for node in nodes])
+                for proc, _ in agents:
+                    try:
+                        proc.stdin.write(live + "\n")
+                        proc.stdin.flush()
+                    except OSError:
+                        pass  # it has ended: its last record says why
         return nodes
     finally:
-        for agent in agents:
-            agent.close()
+        for proc, _ in agents:
+            try:
+                proc.stdin.close()  # the agent reads end-of-file and exits
+                proc.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+
+
+def _agent(ssh: Ssh, host: Host, python: str, args: dict) -> tuple[subprocess.Popen, queue.Queue]:
+    """meshcheck's agent on ``host``, and the queue of its records (last: why it ended)."""
+    line = remote_line([python, "-c", AGENT_SOURCE, "--agent", json.dumps(args)])
+    pipe = subprocess.PIPE  # a session of its own: ours to end, by its process group
+    proc = subprocess.Popen(ssh.command(host, line), stdin=pipe, stdout=pipe, stderr=pipe,
+                            text=True, start_new_session=True)  # fmt: skip
+    records: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        stderr: list[str] = []
+        drain = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
+        drain.start()
+        for out in proc.stdout:
+            if out.startswith(meshcheck.TAG):
+                records.put(json.loads(out[len(meshcheck.TAG) :]))
+        code = proc.wait()
+        drain.join(2)
+        records.put({"error": _explain(code, "".join(stderr), python)})
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc, records
 
 
 def _row(n: int, node: dict, backend: str, user_env: Mapping[str, str]) -> HostRow:
     facts = node.get("facts") or {}
     iface = facts.get("iface")
-    names = meshcheck.IFNAME_VARS if backend == "nccl" else meshcheck.IFNAME_VARS[:1]
-    env = {v: iface for v in names if iface and v not in user_env}
     connects = node.get("connects") or {}
     failed = [k for k, seen in connects.items() if k != "master" and seen != "ok"]
     if node.get("error"):
@@ -273,5 +253,5 @@ def _row(n: int, node: dict, backend: str, user_env: Mapping[str, str]) -> HostR
         reaches_node0=connects.get("master", "-"),
         mesh=mesh,
         versions=meshcheck.show_versions(node.get("versions")),
-        env=env,
+        env=meshcheck.ifname_env(iface, backend, user_env),
     )
