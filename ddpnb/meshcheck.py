@@ -1,26 +1,18 @@
 """Can the nodes of a run reach node 0 and each other, on the interface torch will use?
 
-One file, the Python standard library and torch, nothing of ddpnb: it runs where ddpnb is
-not installed. Every node finds its facts (addresses, its interface toward node 0) and
-listens on an ephemeral port; the nodes share their records, connect to node 0's
-rendezvous port and to every peer's listener, and share what they saw. The records are
-shared through one of two relays:
+One file, the standard library and torch, nothing of ddpnb: it runs where ddpnb is not
+installed. Each node finds its interface toward node 0 and listens on an ephemeral port;
+the nodes share these facts, connect to node 0's rendezvous port and to every peer, and
+share what they saw (:func:`mesh`). The relay that shares the records: over SSH, the
+launcher (:func:`ddpnb.network.check_network` sends this file as ``python -c`` with
+``--agent``; records are stdout lines, everyone's comes back on stdin), so a host that
+cannot reach node 0 still checks its peers; in a Slurm job (one task per node, ``--nnodes
+--node-rank --master-addr --master-port``), a TCP store on node 0's rendezvous port, then a
+gloo all-reduce; exit status 1 with the problems and their fixes on stderr.
 
-- over SSH, :func:`ddpnb.network.check_network`, which sends this file as ``python -c``
-  with ``--agent JSON``: each record is a stdout line, every node's comes back on stdin
-  (so a host that cannot reach node 0's port still checks its peers);
-- on a Slurm allocation (one task per node), a TCP store that node 0 hosts on the
-  rendezvous port; then one gloo all-reduce runs over the chosen interfaces::
-
-      srun --ntasks-per-node=1 python meshcheck.py --nnodes "$SLURM_NNODES" \\
-          --node-rank "$SLURM_NODEID" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-
-  Exit status 0 when all is well, 1 with the problems and their fixes on stderr.
-
-The interface is what ``ip -4 route get MASTER_ADDR`` says carries the node's traffic to
-node 0 (on node 0, the interface that holds that address), unless ``GLOO_SOCKET_IFNAME`` is
-set: gloo otherwise advertises the address its host name resolves to, which is loopback
-on many machines (pytorch/gloo#223).
+The interface is what ``ip -4 route get MASTER_ADDR`` says carries traffic to node 0 (on
+node 0, the one holding that address) unless ``GLOO_SOCKET_IFNAME`` is set: gloo otherwise
+advertises the address its host name resolves to, loopback on many machines (pytorch/gloo#223).
 """
 
 from __future__ import annotations
@@ -248,9 +240,7 @@ def mesh(me: dict, share, rank: int, port: int, deadline: float, connect_timeout
     """
     if me["facts"]["address"]:
         me["mesh_port"] = listen(me["facts"]["address"], 0)
-    found: dict = {}
-    probe = threading.Thread(target=lambda: found.update(versions()), daemon=True)
-    probe.start()
+    me["versions"] = versions()
     nodes = share(me, deadline - connect_timeout - 2)
     if nodes is None:
         return None
@@ -263,8 +253,6 @@ def mesh(me: dict, share, rank: int, port: int, deadline: float, connect_timeout
     if "master" not in me["connects"] and master and nodes[0] and not nodes[0]["listen_error"]:
         targets["master"] = (master, port)
     me["connects"].update(connect_all(targets, connect_timeout))
-    probe.join(max(0.1, deadline - 2 - time.monotonic()))  # versions, if in time
-    me["versions"] = found
     return share(me, deadline)
 
 
@@ -388,52 +376,35 @@ def run_agent(args: dict) -> int:
     return 0
 
 
-def _store_share(store, rank: int, nnodes: int):
-    """share() over a TCP store: set this node's key of the round, wait for every node's."""
+def _slurm_mesh(args: argparse.Namespace, me: dict, deadline: float):
+    """Every node's record through node 0's store, and the store; None when out of reach."""
+    from torch.distributed import TCPStore
+
+    master, rank, port, seen = me["facts"]["master"], args.node_rank, args.master_port, "ok"
+    while master and rank and time.monotonic() < deadline:
+        seen = connect(master, port, min(CONNECT_TIMEOUT, max(0.5, deadline - time.monotonic())))
+        if seen != "refused":
+            break
+        time.sleep(0.2)  # refused: node 0 may not listen yet
+    me["connects"]["master"] = seen
+    if not master or seen != "ok":
+        return None, None
+    left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    store = TCPStore(master, port, args.nnodes, rank == 0, timeout=left, wait_for_workers=False)
     rounds = itertools.count(1)
 
     def share(record: dict | None, by: float) -> list:
-        keys = [f"meshcheck/{next(rounds)}/{n}" for n in range(nnodes)]
+        keys = [f"meshcheck/{next(rounds)}/{n}" for n in range(args.nnodes)]
         store.set(keys[rank], json.dumps(record))
-        try:
+        try:  # every node's key of this round
             store.wait(keys, timedelta(seconds=max(0.1, by - time.monotonic())))
         except Exception:  # some did not report: read who did
             pass
         return [json.loads(store.get(k)) if store.check([k]) else None for k in keys]
 
-    return share
-
-
-def _wait_for_master(addr: str, port: int, deadline: float) -> str:
-    """Connect until node 0 listens (it may start later), or the deadline passes."""
-    seen = "timed out"
-    while time.monotonic() < deadline:
-        seen = connect(addr, port, min(CONNECT_TIMEOUT, max(0.5, deadline - time.monotonic())))
-        if seen in ("ok", "timed out", "no route"):
-            return seen
-        time.sleep(0.2)  # refused: node 0 may not listen yet
-    return seen
-
-
-def _slurm_mesh(args: argparse.Namespace, me: dict, deadline: float):
-    """Every node's record through node 0's store, and the store; None when out of reach."""
-    from torch.distributed import TCPStore
-
-    master = me["facts"]["master"]
-    if not master:
-        return None, None
-    if args.node_rank != 0:
-        me["connects"]["master"] = _wait_for_master(master, args.master_port, deadline)
-    if me["connects"].setdefault("master", "ok") != "ok":
-        return None, None
-    left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
-    store = TCPStore(master, args.master_port, args.nnodes, args.node_rank == 0, timeout=left,
-                     wait_for_workers=False)  # fmt: skip
-    share = _store_share(store, args.node_rank, args.nnodes)
-    nodes = mesh(me, share, args.node_rank, args.master_port, deadline, CONNECT_TIMEOUT)
-    # node 0 holds the store: it stays until every node has read the results
-    share(None, time.monotonic() + (2.0 if args.node_rank == 0 else 0.0))
-    return nodes, store
+    nodes = mesh(me, share, rank, port, deadline, CONNECT_TIMEOUT)
+    share(None, time.monotonic() + (2.0 if rank == 0 else 0.0))  # node 0 keeps the store
+    return nodes, store  # until every node has read the results
 
 
 def _all_reduce(store, rank: int, nnodes: int, timeout: float) -> str | None:

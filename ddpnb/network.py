@@ -1,15 +1,12 @@
 """The network between the hosts of a run, checked over SSH before anything starts.
 
-On every host at once, in about 20 s whatever hangs: ``master_addr`` resolves to an
-address the host routes to (loopback only when every node is on one host); node 0
-listens on ``master_addr:master_port`` and every host connects to it; each host finds
-the interface that carries its traffic to node 0 (``ip -4 route get``), which becomes its
-``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` with nccl) unless the user set one;
-every host connects to every other host's ephemeral listener on that interface (the
-ports gloo and NCCL connect back on); torch, CUDA and NCCL versions are compared.
-
-The hosts need Python only: the host side is :mod:`ddpnb.meshcheck`, sent as
-``python -c`` (the same file is the Slurm job's first step).
+In about 20 s whatever hangs, on every host at once: master_addr resolves to an address
+the host routes to (loopback only when every node is on one host); the host reaches node
+0's master_addr:master_port, and every other host's ephemeral port on its interface toward
+node 0 (``ip -4 route get``), which becomes its ``GLOO_SOCKET_IFNAME`` (and
+``NCCL_SOCKET_IFNAME`` with nccl) unless the user set one; torch, CUDA and NCCL versions
+are compared. The hosts need Python only: this side relays the records of
+:mod:`ddpnb.meshcheck`, sent as ``python -c`` (the same file is the Slurm job's first step).
 """
 
 from __future__ import annotations
@@ -111,24 +108,15 @@ def check_network(
 ) -> NetworkReport:
     """Check that every host reaches node 0 and every other host; choose each interface.
 
-    Parameters
-    ----------
-    ssh, hosts, python:
-        How to reach the hosts (node 0 first) and the interpreter to run there.
-    master_addr, master_port:
-        The rendezvous endpoint the run will use (node 0's address, a free port there).
-    backend:
-        ``'gloo'`` or ``'nccl'`` (then ``NCCL_SOCKET_IFNAME`` is chosen too).
-    user_env:
-        What the user passes to the hosts: an interface variable set there is kept.
-    timeout:
-        Seconds the whole check may take.
+    ``hosts``: node 0 first, reached with ``ssh``, running ``python``. ``master_addr``,
+    ``master_port``: the run's rendezvous endpoint (node 0's address, a free port there).
+    ``backend``: ``'gloo'`` or ``'nccl'`` (then ``NCCL_SOCKET_IFNAME`` is chosen too).
+    ``user_env``: what the user passes to the hosts (an interface variable set there is
+    kept). ``timeout``: seconds the whole check may take.
 
     Returns the :class:`NetworkReport`; raises :class:`~ddpnb.errors.NetworkError` naming
     every failing host or pair and the fix (its ``report`` holds the table).
 
-    Example
-    -------
     >>> report = check_network(Ssh(), parse_hosts(["gpu1", "gpu2"]), "python3",
     ...                        master_addr="gpu1", master_port=29500)  # doctest: +SKIP
     >>> report.env(1)  # doctest: +SKIP
