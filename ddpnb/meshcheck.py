@@ -1,42 +1,39 @@
 """Can the nodes of a run reach node 0 and each other, on the interface torch will use?
 
-One file, the Python standard library and torch, nothing of ddpnb: it runs where ddpnb is
-not installed. Two ways in:
+One file, the standard library and torch, nothing of ddpnb: it runs where ddpnb is not
+installed. Each node finds its interface toward node 0 and listens on an ephemeral port;
+the nodes share these facts, connect to node 0's rendezvous port and to every peer, and
+share what they saw (:func:`mesh`). The relay that shares the records: over SSH, the
+launcher (:func:`ddpnb.network.check_network` sends this file as ``python -c`` with
+``--agent``; records are stdout lines, everyone's comes back on stdin), so a host that
+cannot reach node 0 still checks its peers; in a Slurm job (one task per node, ``--nnodes
+--node-rank --master-addr --master-port``), a TCP store on node 0's rendezvous port, then a
+gloo all-reduce; exit status 1 with the problems and their fixes on stderr.
 
-- On a Slurm allocation, as the batch job's first step (one task per node)::
-
-      srun --ntasks-per-node=1 --kill-on-bad-exit=1 python meshcheck.py \\
-          --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" \\
-          --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --timeout 20
-
-  Node 0 hosts a TCP store on the rendezvous port; every node connects to it (a failure
-  names the node, the address, the port and what was seen: refused, timed out, no route),
-  then every node connects to every other node's ephemeral listener, then all run one gloo
-  all-reduce over the interface each chose. Exit status 0 when all is well, 1 with the
-  problems and their fixes on stderr otherwise.
-- Over SSH, from :func:`ddpnb.network.check_network`, which sends this file as
-  ``python -c`` with ``--agent JSON``: one line of facts, then one line of results.
-
-The interface is what ``ip -4 route get MASTER_ADDR`` says carries the node's traffic to
-node 0 (on node 0, the interface that holds that address), unless ``GLOO_SOCKET_IFNAME`` is
-set: gloo otherwise advertises the address its host name resolves to, which is loopback
-on many machines (pytorch/gloo#223).
+The interface is what ``ip -4 route get MASTER_ADDR`` says carries traffic to node 0 (on
+node 0, the one holding that address) unless ``GLOO_SOCKET_IFNAME`` is set: gloo otherwise
+advertises the address its host name resolves to, loopback on many machines (pytorch/gloo#223).
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import itertools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 CONNECT_TIMEOUT = 5.0  # seconds one TCP connect may take before it counts as dropped
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+TAG = "DDPNB-NET "  # starts each record the agent prints over SSH
 
 
 # -- what one node can tell about itself ------------------------------------------------
@@ -51,46 +48,44 @@ def resolve(name: str) -> list[str]:
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 
+def _ip(*args: str) -> str:
+    """What ``ip ARGS`` prints; empty where it fails or there is no ``ip``."""
+    try:
+        out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout if out.returncode == 0 else ""
+
+
 def interfaces() -> dict[str, list[str]]:
     """Interface name -> its IPv4 addresses (``ip -o -4 addr``, else ioctl)."""
-    try:
-        out = subprocess.run(
-            ["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=5
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
     found: dict[str, list[str]] = {}
-    for line in out.splitlines():
+    for line in _ip("-o", "-4", "addr", "show").splitlines():
         words = line.split()
         if len(words) > 3 and words[2] == "inet":
             found.setdefault(words[1].split("@")[0], []).append(words[3].split("/")[0])
-    return found or _ioctl_interfaces()
-
-
-def _ioctl_interfaces() -> dict[str, list[str]]:
+    if found:
+        return found
     import fcntl
     import struct
 
-    found = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
-            try:
+            try:  # SIOCGIFADDR
                 raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
             except OSError:
-                continue  # SIOCGIFADDR: no IPv4 address
+                continue  # no IPv4 address
             found[name] = [socket.inet_ntoa(raw[20:24])]
     return found
 
 
+def _holder(ifaces: dict[str, list[str]], addr: str) -> str | None:
+    return next((name for name, addrs in ifaces.items() if addr in addrs), None)
+
+
 def route_to(addr: str, ifaces: dict[str, list[str]]) -> dict:
     """How this node reaches ``addr``: ``dev``, ``src``, ``local`` and the route line."""
-    try:
-        out = subprocess.run(
-            ["ip", "-4", "route", "get", addr], capture_output=True, text=True, timeout=5
-        )
-        line = out.stdout.strip().splitlines()[0] if out.returncode == 0 else ""
-    except (OSError, subprocess.TimeoutExpired, IndexError):
-        line = ""
+    line = (_ip("-4", "route", "get", addr).strip().splitlines() or [""])[0]
     words = line.split()
     pick = {k: words[words.index(k) + 1] for k in ("dev", "src") if k in words[:-1]}
     if not pick:  # no `ip`: the source address of a UDP socket aimed at addr
@@ -100,13 +95,11 @@ def route_to(addr: str, ifaces: dict[str, list[str]]) -> dict:
                 pick["src"] = s.getsockname()[0]
         except OSError as e:
             return {"dev": None, "src": None, "local": False, "route": f"no route ({e})"}
-        owner = [n for n, addrs in ifaces.items() if pick["src"] in addrs]
-        pick["dev"] = owner[0] if owner else None
+        pick["dev"] = _holder(ifaces, pick["src"])
         line = f"{addr} src {pick['src']} (from a UDP socket; no `ip` here)"
-    local = bool(words) and words[0] == "local"
+    local = words[:1] == ["local"]
     if local:  # the address is this node's own: the interface that holds it
-        owner = [n for n, addrs in ifaces.items() if addr in addrs]
-        pick = {"dev": owner[0] if owner else pick.get("dev"), "src": addr}
+        pick = {"dev": _holder(ifaces, addr) or pick.get("dev"), "src": addr}
     return {"dev": pick.get("dev"), "src": pick.get("src"), "local": local, "route": line}
 
 
@@ -135,24 +128,19 @@ def versions() -> dict:
     Read from torch's ``version.py`` and the NCCL wheel's metadata, without importing torch
     (seconds on a busy host, and it must not touch the GPUs).
     """
-    import ast
     import importlib.metadata as md
     import importlib.util
 
-    found = {"torch": None, "cuda": None, "nccl": None}
-    spec = importlib.util.find_spec("torch")
-    for folder in (spec and spec.submodule_search_locations) or []:
-        try:
-            with open(os.path.join(folder, "version.py")) as f:
-                tree = ast.parse(f.read())
-        except (OSError, SyntaxError):
-            continue
-        for node in tree.body:
-            target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
-            name = {"__version__": "torch", "cuda": "cuda"}.get(getattr(target, "id", None))
-            if name and isinstance(node.value, ast.Constant):
-                found[name] = node.value.value
-        break
+    found = dict.fromkeys(("torch", "cuda", "nccl"))
+    try:
+        folder = importlib.util.find_spec("torch").submodule_search_locations[0]
+        with open(os.path.join(folder, "version.py")) as f:
+            text = f.read()
+    except (AttributeError, IndexError, TypeError, ImportError, OSError):
+        text = ""
+    for key, name in (("__version__", "torch"), ("cuda", "cuda")):
+        match = re.search(rf"^{key}\b[^=\n]*=\s*['\"]([^'\"\n]+)", text, re.M)
+        found[name] = match and match.group(1)
     for cuda in ("13", "12", "11"):  # pip's torch loads NCCL from this wheel
         try:
             found["nccl"] = md.version(f"nvidia-nccl-cu{cuda}")
@@ -219,110 +207,56 @@ def connect(addr: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:
 
 def connect_all(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str, str]:
     """:func:`connect` to every ``key: (addr, port)`` at once."""
-    results: dict[str, str] = {}
-
-    def one(key: str, addr: str, port: int) -> None:
-        results[key] = connect(addr, port, timeout)
-
-    threads = [
-        threading.Thread(target=one, args=(k, a, p), daemon=True) for k, (a, p) in targets.items()
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 1)
-    return {k: results.get(k, "timed out") for k in targets}
+    with ThreadPoolExecutor(max(1, len(targets))) as pool:
+        return dict(zip(targets, pool.map(lambda t: connect(*t, timeout), targets.values())))
 
 
-class Listener:
-    """A TCP listener that accepts and lets each client close first (no TIME_WAIT here)."""
+def listen(addr: str, port: int) -> int:
+    """Accept on addr:port from now on, each client closing first (no TIME_WAIT here)."""
+    sock = socket.create_server((addr, port), backlog=128)
 
-    def __init__(self, addr: str, port: int) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((addr, port))
-            self.sock.listen(64)
-        except OSError:
-            self.sock.close()
-            raise
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
+    def drain(conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(10)
             try:
-                conn, _ = self.sock.accept()
+                conn.recv(1)  # returns once the client has closed
             except OSError:
-                return
-            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _drain(conn: socket.socket) -> None:
-        conn.settimeout(10)
-        try:
-            while conn.recv(64):
                 pass
-        except OSError:
-            pass
-        finally:
-            conn.close()
 
-    def close(self) -> None:
-        self.sock.close()
+    def serve() -> None:
+        while True:
+            threading.Thread(target=drain, args=(sock.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock.getsockname()[1]
+
+
+def mesh(me: dict, share, rank: int, port: int, deadline: float, connect_timeout: float):
+    """This node's part once ``me`` holds its facts: listen, share, connect, share again.
+
+    ``share(record, by)`` hands this node's record to the relay and returns every node's
+    record (None for those that did not report by then), or None. Returns what the second
+    share returns: every node's record with ``connects`` and ``versions``.
+    """
+    if me["facts"]["address"]:
+        me["mesh_port"] = listen(me["facts"]["address"], 0)
+    me["versions"] = versions()
+    nodes = share(me, deadline - connect_timeout - 2)
+    if nodes is None:
+        return None
+    targets = {
+        str(n): (p["facts"]["address"], p["mesh_port"])
+        for n, p in enumerate(nodes)
+        if p and p.get("mesh_port") and n != rank
+    }
+    master = me["facts"]["master"]
+    if "master" not in me["connects"] and master and nodes[0] and not nodes[0]["listen_error"]:
+        targets["master"] = (master, port)
+    me["connects"].update(connect_all(targets, connect_timeout))
+    return share(me, deadline)
 
 
 # -- what is wrong, and the fix ---------------------------------------------------------
-
-
-def diagnose(nodes: list[dict], master_addr: str, master_port: int) -> list[tuple[str, str]]:
-    """Every problem as (node name, what is wrong and the fix); empty when all is well.
-
-    ``nodes[n]`` holds ``name``, and either ``error`` or ``facts`` with ``connects``
-    (``'master'`` and each peer's node number -> what its connect saw), ``versions`` and,
-    on node 0, ``listen_error``.
-    """
-    problems = [(n["name"], n["error"]) for n in nodes if n.get("error")]
-    live = [n for n in nodes if n.get("facts")]
-    if not live:
-        return problems
-    problems += _diagnose_addresses(nodes, master_addr, master_port)
-    problems += _diagnose_master(nodes, master_addr, master_port)
-    problems += _diagnose_mesh(nodes)
-    problems += _diagnose_versions(nodes)
-    return problems
-
-
-def _node0_addresses(nodes: list[dict]) -> list[str]:
-    facts = nodes[0].get("facts") or {}
-    return [a for name, addrs in facts.get("interfaces", {}).items() for a in addrs if name != "lo"]
-
-
-def _diagnose_addresses(nodes: list[dict], master_addr: str, port: int) -> list[tuple[str, str]]:
-    problems = []
-    one_machine = len({n["facts"]["machine"] for n in nodes if n.get("facts")}) == 1
-    hint = ", ".join(_node0_addresses(nodes)) or "node 0's address on the network the nodes share"
-    for n in nodes:
-        f = n.get("facts")
-        if not f:
-            continue
-        if not f["master"]:
-            problems.append(
-                (n["name"], f"cannot resolve master_addr {master_addr!r}: use node 0's address "
-                 f"({hint}) for master_addr, or add the name to its /etc/hosts or DNS")
-            )  # fmt: skip
-        elif f["master"].startswith("127.") and not one_machine:
-            problems.append(
-                (n["name"], f"resolves master_addr {master_addr!r} to {f['master']}, its own "
-                 f"loopback, not node 0: use node 0's address ({hint}) for master_addr")
-            )  # fmt: skip
-        elif f["user_ifname"] and not f["address"]:
-            problems.append(
-                (n["name"], f"has no interface {f['user_ifname']} with an IPv4 address "
-                 f"(GLOO_SOCKET_IFNAME was set): its interfaces are "
-                 f"{', '.join(sorted(f['interfaces']))}; unset it and ddpnb picks {f['dev']}")
-            )  # fmt: skip
-    return problems
 
 
 SEEN = {
@@ -332,48 +266,69 @@ SEEN = {
 }
 
 
-def master_problem(name: str, addr: str, port: int, seen: str, name0: str) -> str:
-    """What ``name`` saw connecting to node 0 at addr:port, and the fix."""
-    fix = {
-        "timed out": f"open TCP port {port} on node 0 ({name0}) to {name} in the firewall, "
-        "or pass a master_port it lets through",
-        "no route": f"use an address of node 0 on a network {name} shares for master_addr",
-    }.get(seen, f"check that {addr} is node 0's ({name0}) address and pass it as master_addr")
-    return f"cannot reach node 0 ({name0}) at {addr}:{port}: {SEEN.get(seen, seen)}. Fix: {fix}"
+def diagnose(nodes: list[dict], master_addr: str, port: int) -> list[tuple[str, str]]:
+    """Every problem as (node name, what is wrong and the fix); empty when all is well.
+
+    ``nodes[n]`` holds ``name``, and either ``error`` or ``facts``, ``mesh_port``,
+    ``connects`` (``'master'`` and each peer's node number -> what its connect saw),
+    ``versions`` and, on node 0, ``listen_error``.
+    """
+    problems = [(n["name"], n["error"]) for n in nodes if n.get("error")]
+    node0, live = nodes[0], [n for n in nodes if n.get("facts")]
+    if node0.get("facts") and node0.get("listen_error"):
+        problems.append((node0["name"], f"cannot listen on the rendezvous port {port} "
+                         f"({node0['listen_error']}): pass another master_port, or stop what "
+                         "holds it"))  # fmt: skip
+    ifaces = (node0.get("facts") or {}).get("interfaces", {})
+    hint = ", ".join(a for name, addrs in ifaces.items() if name != "lo" for a in addrs)
+    one_machine = len({n["facts"]["machine"] for n in live}) == 1
+    for n in live:
+        problems += [
+            (n["name"], text)
+            for text in _problems_of(n, nodes, master_addr, port, one_machine, hint or
+                                     "node 0's address on the network the nodes share")
+        ]  # fmt: skip
+    have = [n for n in nodes if n.get("versions")]
+    return problems + [
+        (n["name"], f"has {show_versions(n['versions'])} but {have[0]['name']} has "
+         f"{show_versions(have[0]['versions'])}: install the same torch build on every node")
+        for n in have[1:]
+        if version_key(n["versions"]) != version_key(have[0]["versions"])
+    ]  # fmt: skip
 
 
-def _diagnose_master(nodes: list[dict], master_addr: str, port: int) -> list[tuple[str, str]]:
-    name0 = nodes[0]["name"]
-    listen = nodes[0].get("facts") and nodes[0].get("listen_error")
-    if listen:
-        return [(name0, f"cannot listen on the rendezvous port {port} ({listen}): pass another "
-                 "master_port, or stop what holds it")]  # fmt: skip
-    problems = []
-    for n in nodes:
-        seen = (n.get("connects") or {}).get("master")
-        if not n.get("facts") or not n["facts"]["master"] or seen in (None, "ok"):
-            continue
-        problems.append(
-            (n["name"], master_problem(n["name"], n["facts"]["master"], port, seen, name0))
-        )
-    return problems
-
-
-def _diagnose_mesh(nodes: list[dict]) -> list[tuple[str, str]]:
-    problems = []
-    for n in nodes:
-        for peer, seen in sorted((n.get("connects") or {}).items()):
-            if peer == "master" or seen == "ok":
-                continue
+def _problems_of(n: dict, nodes: list[dict], master_addr: str, port: int, one_machine: bool,
+                 hint: str):  # fmt: skip
+    """What is wrong with node ``n``'s idea of master_addr, and with its connects."""
+    f, name, name0 = n["facts"], n["name"], nodes[0]["name"]
+    if not f["master"]:
+        yield (f"cannot resolve master_addr {master_addr!r}: use node 0's address ({hint}) for "
+               "master_addr, or add the name to its /etc/hosts or DNS")  # fmt: skip
+    elif f["master"].startswith("127.") and not one_machine:
+        yield (f"resolves master_addr {master_addr!r} to {f['master']}, its own loopback, not "
+               f"node 0: use node 0's address ({hint}) for master_addr")  # fmt: skip
+    elif f["user_ifname"] and not f["address"]:
+        yield (f"has no interface {f['user_ifname']} with an IPv4 address (GLOO_SOCKET_IFNAME "
+               f"was set): its interfaces are {', '.join(sorted(f['interfaces']))}; unset it "
+               f"and ddpnb picks {f['dev']}")  # fmt: skip
+    seen = n["connects"].get("master", "ok")
+    if seen != "ok":
+        fix = {
+            "timed out": f"open TCP port {port} on node 0 ({name0}) to {name} in the firewall, "
+            "or pass a master_port it lets through",
+            "no route": f"use an address of node 0 on a network {name} shares for master_addr",
+        }.get(seen, f"check that {f['master']} is node 0's ({name0}) address and pass it as "
+              "master_addr")  # fmt: skip
+        yield (f"cannot reach node 0 ({name0}) at {f['master']}:{port}: "
+               f"{SEEN.get(seen, seen)}. Fix: {fix}")  # fmt: skip
+    for peer, seen in sorted(n["connects"].items()):
+        if peer != "master" and seen != "ok":
             p = nodes[int(peer)]
-            f = p["facts"]
-            problems.append(
-                (n["name"], f"cannot connect to {p['name']} at {f['address']}:{p['mesh_port']} "
-                 f"(an ephemeral port, as gloo and NCCL use): {SEEN.get(seen, seen)}. Fix: open "
-                 f"TCP ports {f['ports']} ({p['name']}'s net.ipv4.ip_local_port_range) on "
-                 f"{p['name']} to {n['name']}, or narrow that range on every node and open it")
-            )  # fmt: skip
-    return problems
+            yield (f"cannot connect to {p['name']} at {p['facts']['address']}:{p['mesh_port']} "
+                   f"(an ephemeral port, as gloo and NCCL use): {SEEN.get(seen, seen)}. Fix: "
+                   f"open TCP ports {p['facts']['ports']} ({p['name']}'s "
+                   f"net.ipv4.ip_local_port_range) on {p['name']} to {name}, or narrow that "
+                   "range on every node and open it")  # fmt: skip
 
 
 def version_key(v: dict) -> tuple:
@@ -388,90 +343,72 @@ def show_versions(v: dict | None) -> str:
     return f"torch {v['torch']}, CUDA {v.get('cuda') or '-'}, NCCL {v.get('nccl') or '-'}"
 
 
-def _diagnose_versions(nodes: list[dict]) -> list[tuple[str, str]]:
-    have = [n for n in nodes if n.get("versions")]
-    if not have:
-        return []
-    base = have[0]
-    return [
-        (n["name"], f"has {show_versions(n['versions'])} but {base['name']} has "
-         f"{show_versions(base['versions'])}: install the same torch build on every node")
-        for n in have[1:]
-        if version_key(n["versions"]) != version_key(base["versions"])
-    ]  # fmt: skip
-
-
 def explain(problems: list[tuple[str, str]], head: str) -> str:
     return head + ":\n" + "\n".join(f"  - {name} {text}" for name, text in problems)
 
 
-# -- over SSH: one agent per host, driven by ddpnb.network ------------------------------
+# -- the two relays: the launcher over SSH, a TCP store on node 0 in a Slurm job --------
+
+
+def _new_record(facts: dict, **more) -> dict:
+    return {"facts": facts, "listen_error": None, "mesh_port": None, "connects": {}, **more}
 
 
 def run_agent(args: dict) -> int:
-    """Facts, then (after the driver sends the targets) connects and versions; two lines."""
-    timer = threading.Timer(args["timeout"], os._exit, args=(3,))
+    """Over SSH: each record a stdout line; every node's comes back as a stdin line."""
+    timer = threading.Timer(args["timeout"] + 5, os._exit, args=(3,))
     timer.daemon = True
     timer.start()  # whatever hangs, this process ends
-    facts = local_facts(args["master_addr"], args.get("ifname"))
-    out = {"facts": facts, "listen_error": None, "mesh_port": None}
-    keep = []
-    if args["node0"]:
+    deadline = time.monotonic() + args["timeout"]
+    me = _new_record(local_facts(args["master_addr"], args.get("ifname")))
+    if args["rank"] == 0:  # the rendezvous port, for every host to connect to
         try:
-            keep.append(Listener("", args["master_port"]))
+            listen("", args["master_port"])
         except OSError as e:
-            out["listen_error"] = e.strerror or str(e)
-    if facts["address"]:
-        keep.append(Listener(facts["address"], 0))
-        out["mesh_port"] = keep[-1].port
-    found: dict = {}
-    probe = threading.Thread(target=lambda: found.update(versions()), daemon=True)
-    probe.start()
-    print("DDPNB-NET1 " + json.dumps(out), flush=True)
-    line = sys.stdin.readline()
-    if not line:
-        return 0
-    got, by = json.loads(line), time.monotonic()
-    targets = {k: tuple(v) for k, v in got["targets"].items()}
-    if facts["master"] and not out["listen_error"]:
-        targets["master"] = (facts["master"], args["master_port"])
-    connects = connect_all(targets, args["connect_timeout"])
-    probe.join(max(0.1, by + got["left"] - 1 - time.monotonic()))  # versions, if in time
-    print("DDPNB-NET2 " + json.dumps({"connects": connects, "versions": found}), flush=True)
-    sys.stdin.read()  # the driver closes our input when it has read everything
+            me["listen_error"] = os.strerror(e.errno) if e.errno else str(e)
+
+    def share(record: dict, by: float) -> list | None:
+        print(TAG + json.dumps(record), flush=True)
+        line = sys.stdin.readline()  # the launcher closes our input when it has all
+        return json.loads(line) if line.strip() else None
+
+    mesh(me, share, args["rank"], args["master_port"], deadline, args["connect_timeout"])
     return 0
 
 
-# -- on a Slurm allocation: one process per node, a TCP store on node 0 -----------------
+def _slurm_mesh(args: argparse.Namespace, me: dict, deadline: float):
+    """Every node's record through node 0's store, and the store; None when out of reach."""
+    from torch.distributed import TCPStore
 
-
-def _wait_for_master(addr: str, port: int, deadline: float) -> str:
-    """Connect until node 0 listens (it may start later), or the deadline passes."""
-    seen = "timed out"
-    while time.monotonic() < deadline:
-        seen = connect(addr, port, min(CONNECT_TIMEOUT, max(0.5, deadline - time.monotonic())))
-        if seen in ("ok", "timed out", "no route"):
-            return seen
+    master, rank, port, seen = me["facts"]["master"], args.node_rank, args.master_port, "ok"
+    while master and rank and time.monotonic() < deadline:
+        seen = connect(master, port, min(CONNECT_TIMEOUT, max(0.5, deadline - time.monotonic())))
+        if seen != "refused":
+            break
         time.sleep(0.2)  # refused: node 0 may not listen yet
-    return seen
+    me["connects"]["master"] = seen
+    if not master or seen != "ok":
+        return None, None
+    left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    store = TCPStore(master, port, args.nnodes, rank == 0, timeout=left, wait_for_workers=False)
+    rounds = itertools.count(1)
 
+    def share(record: dict | None, by: float) -> list:
+        keys = [f"meshcheck/{next(rounds)}/{n}" for n in range(args.nnodes)]
+        store.set(keys[rank], json.dumps(record))
+        try:  # every node's key of this round
+            store.wait(keys, timedelta(seconds=max(0.1, by - time.monotonic())))
+        except Exception:  # some did not report: read who did
+            pass
+        return [json.loads(store.get(k)) if store.check([k]) else None for k in keys]
 
-def _gather(store, prefix: str, nnodes: int, timeout: float) -> list[dict | None]:
-    """Every node's value under prefix/N, None for those that did not report in time."""
-    import datetime
-
-    keys = [f"{prefix}/{n}" for n in range(nnodes)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=max(0.1, timeout)))
-    except Exception:  # some did not report: read who did
-        pass
-    return [json.loads(store.get(k)) if store.check([k]) else None for k in keys]
+    nodes = mesh(me, share, rank, port, deadline, CONNECT_TIMEOUT)
+    share(None, time.monotonic() + (2.0 if rank == 0 else 0.0))  # node 0 keeps the store
+    return nodes, store  # until every node has read the results
 
 
 def _all_reduce(store, rank: int, nnodes: int, timeout: float) -> str | None:
     """One gloo all-reduce over the chosen interfaces; None when every node got nnodes."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
@@ -481,7 +418,7 @@ def _all_reduce(store, rank: int, nnodes: int, timeout: float) -> str | None:
             store=dist.PrefixStore("meshcheck/gloo", store),
             rank=rank,
             world_size=nnodes,
-            timeout=datetime.timedelta(seconds=max(1.0, timeout)),
+            timeout=timedelta(seconds=max(1.0, timeout)),
         )
         x = torch.ones(1)
         dist.all_reduce(x)
@@ -491,53 +428,10 @@ def _all_reduce(store, rank: int, nnodes: int, timeout: float) -> str | None:
     return None if int(x.item()) == nnodes else f"the gloo all-reduce gave {x.item()}"
 
 
-def write_env(path: str, facts: dict, backend: str) -> None:
-    """A shell file exporting the interface variables the user has not set."""
+def ifname_env(iface: str | None, backend: str, user_env) -> dict[str, str]:
+    """The interface variables to set to ``iface``: those ``backend`` reads, unless set."""
     names = IFNAME_VARS if backend == "nccl" else IFNAME_VARS[:1]
-    lines = [
-        f"export {v}={facts['iface']}" for v in names if facts["iface"] and v not in os.environ
-    ]
-    with open(path, "w") as f:
-        f.write("".join(line + "\n" for line in lines))
-
-
-def _check_node(args: argparse.Namespace, deadline: float) -> tuple[dict, list | None]:
-    """This node's part: (its record, every node's record, or None if node 0 is out of reach)."""
-    import datetime
-
-    from torch.distributed import TCPStore
-
-    facts = local_facts(args.master_addr, os.environ.get("GLOO_SOCKET_IFNAME"))
-    name = f"node {args.node_rank} ({facts['hostname']})"
-    me = {"name": name, "facts": facts, "node": args.node_rank, "connects": {}}
-    if not facts["master"]:
-        return me, None
-    if args.node_rank != 0:
-        me["connects"]["master"] = _wait_for_master(facts["master"], args.master_port, deadline)
-        if me["connects"]["master"] != "ok":
-            return me, None
-    left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
-    store = TCPStore(facts["master"], args.master_port, args.nnodes, args.node_rank == 0,
-                     timeout=left, wait_for_workers=False)  # fmt: skip
-    listener = Listener(facts["address"], 0) if facts["address"] else None
-    me["mesh_port"] = listener.port if listener else None
-    me["versions"] = versions()
-    store.set(f"meshcheck/facts/{args.node_rank}", json.dumps(me))
-    peers = _gather(store, "meshcheck/facts", args.nnodes, deadline - time.monotonic() - 4)
-    targets = {
-        str(n): (p["facts"]["address"], p["mesh_port"])
-        for n, p in enumerate(peers)
-        if p and n != args.node_rank and p["mesh_port"]
-    }
-    me["connects"] = {"master": "ok", **connect_all(targets, CONNECT_TIMEOUT)}
-    store.set(f"meshcheck/result/{args.node_rank}", json.dumps(me))
-    nodes = _gather(store, "meshcheck/result", args.nnodes, deadline - time.monotonic() - 2)
-    # node 0 holds the store: it stays until every node has read the results
-    store.set(f"meshcheck/read/{args.node_rank}", "1")
-    if args.node_rank == 0:
-        _gather(store, "meshcheck/read", args.nnodes, 2.0)
-    me["store"] = store
-    return me, nodes
+    return {v: iface for v in names if iface and v not in user_env}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -562,32 +456,30 @@ def main(argv: list[str] | None = None) -> int:
 def check_allocation(args: argparse.Namespace) -> int:
     """The Slurm check on this node: 0 when all is well, 1 with the problems on stderr."""
     deadline = time.monotonic() + args.timeout
-    me, nodes = _check_node(args, deadline)
-    if args.env_file:
-        write_env(args.env_file.replace("{node_rank}", str(args.node_rank)), me["facts"],
-                  args.backend)  # fmt: skip
-    if nodes is None:  # this node cannot resolve node 0's address, or reach it
-        seen = me["connects"].get("master")
-        problems = [(me["name"], f"cannot resolve master_addr {args.master_addr!r}")]
-        if seen:
-            problems = [(me["name"], master_problem(me["name"], me["facts"]["master"],
-                                                    args.master_port, seen, "node 0"))]  # fmt: skip
-    else:
-        missing = [n for n, rec in enumerate(nodes) if rec is None]
-        known = [rec or {"name": f"node {n}"} for n, rec in enumerate(nodes)]
-        problems = diagnose(known, args.master_addr, args.master_port) + [
-            (f"node {n}", f"did not report within {args.timeout:.0f} s: see its own output")
-            for n in missing
-        ]
-        if not problems:
-            if me["facts"]["iface"]:  # gloo binds where the check found the way to node 0
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", me["facts"]["iface"])
-            left = deadline - time.monotonic()
-            failed = _all_reduce(me["store"], args.node_rank, args.nnodes, max(3.0, left))
-            problems = [(me["name"], failed)] if failed else []
-    head = f"{me['name']}, interface {me['facts']['iface']}: "
+    facts = local_facts(args.master_addr, os.environ.get("GLOO_SOCKET_IFNAME"))
+    me = _new_record(facts, name=f"node {args.node_rank} ({facts['hostname']})")
+    if args.env_file:  # what the torchrun step sources
+        with open(args.env_file.replace("{node_rank}", str(args.node_rank)), "w") as f:
+            env = ifname_env(facts["iface"], args.backend, os.environ)
+            f.write("".join(f"export {k}={v}\n" for k, v in env.items()))
+    nodes, store = _slurm_mesh(args, me, deadline)
+    rank = args.node_rank
+    known = nodes or [me if n == rank else None for n in range(args.nnodes)]  # out of reach
+    named = [rec or {"name": f"node {n}"} for n, rec in enumerate(known)]
+    problems = diagnose(named, args.master_addr, args.master_port) + [
+        (f"node {n}", f"did not report within {args.timeout:.0f} s: see its own output")
+        for n, rec in enumerate(nodes or [])
+        if rec is None
+    ]
+    if nodes and not problems:
+        if facts["iface"]:  # gloo binds where the check found the way to node 0
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", facts["iface"])
+        left = deadline - time.monotonic()
+        failed = _all_reduce(store, rank, args.nnodes, max(3.0, left))
+        problems = [(me["name"], failed)] if failed else []
+    head = f"{me['name']}, interface {facts['iface']}: "
     if problems:
-        if args.node_rank == 0 or nodes is None:
+        if rank == 0 or nodes is None:
             print(explain(problems, head + "the network check failed"), file=sys.stderr)
         else:
             print(head + "the network check failed; node 0's output names every problem",

@@ -1,15 +1,12 @@
 """The network between the hosts of a run, checked over SSH before anything starts.
 
-On every host at once, in about 20 s whatever hangs: ``master_addr`` resolves to an
-address the host routes to (loopback only when every node is on one host); node 0
-listens on ``master_addr:master_port`` and every host connects to it; each host finds
-the interface that carries its traffic to node 0 (``ip -4 route get``), which becomes its
-``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` with nccl) unless the user set one;
-every host connects to every other host's ephemeral listener on that interface (the
-ports gloo and NCCL connect back on); torch, CUDA and NCCL versions are compared.
-
-The hosts need Python only: the host side is :mod:`ddpnb.meshcheck`, sent as
-``python -c`` (the same file is the Slurm job's first step).
+In about 20 s whatever hangs, on every host at once: master_addr resolves to an address
+the host routes to (loopback only when every node is on one host); the host reaches node
+0's master_addr:master_port, and every other host's ephemeral port on its interface toward
+node 0 (``ip -4 route get``), which becomes its ``GLOO_SOCKET_IFNAME`` (and
+``NCCL_SOCKET_IFNAME`` with nccl) unless the user set one; torch, CUDA and NCCL versions
+are compared. The hosts need Python only: this side relays the records of
+:mod:`ddpnb.meshcheck`, sent as ``python -c`` (the same file is the Slurm job's first step).
 """
 
 from __future__ import annotations
@@ -98,63 +95,6 @@ class NetworkReport:
     __str__ = table
 
 
-class _Agent:
-    """meshcheck's agent on one host, over one ssh session: send lines, read lines."""
-
-    def __init__(self, ssh: Ssh, host: Host, python: str, args: dict) -> None:
-        self.host, self.python = host, python
-        line = remote_line([python, "-c", AGENT_SOURCE, "--agent", json.dumps(args)])
-        self.lines: queue.Queue = queue.Queue()
-        self.stderr: list[str] = []
-        self.proc = subprocess.Popen(
-            ssh.command(host, line),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # ours to end, by its process group
-            env=dict(os.environ),
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def expect(self, tag: str, deadline: float) -> dict | str:
-        """The JSON after ``tag``, or why it did not come."""
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                code = self.proc.wait()
-                return _explain(code, "".join(self.stderr), self.python)
-            if line.startswith(tag + " "):
-                return json.loads(line.split(" ", 1)[1])
-        return "did not answer the network check in time (ssh or python hung)"
-
-    def send(self, obj: dict) -> None:
-        try:
-            self.proc.stdin.write(json.dumps(obj) + "\n")
-            self.proc.stdin.flush()
-        except OSError:
-            pass  # it has ended: expect() says why
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.close()  # the agent reads end-of-file and exits
-            self.proc.wait(timeout=2)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait()
-
-
 def check_network(
     ssh: Ssh,
     hosts: list[Host],
@@ -168,24 +108,15 @@ def check_network(
 ) -> NetworkReport:
     """Check that every host reaches node 0 and every other host; choose each interface.
 
-    Parameters
-    ----------
-    ssh, hosts, python:
-        How to reach the hosts (node 0 first) and the interpreter to run there.
-    master_addr, master_port:
-        The rendezvous endpoint the run will use (node 0's address, a free port there).
-    backend:
-        ``'gloo'`` or ``'nccl'`` (then ``NCCL_SOCKET_IFNAME`` is chosen too).
-    user_env:
-        What the user passes to the hosts: an interface variable set there is kept.
-    timeout:
-        Seconds the whole check may take.
+    ``hosts``: node 0 first, reached with ``ssh``, running ``python``. ``master_addr``,
+    ``master_port``: the run's rendezvous endpoint (node 0's address, a free port there).
+    ``backend``: ``'gloo'`` or ``'nccl'`` (then ``NCCL_SOCKET_IFNAME`` is chosen too).
+    ``user_env``: what the user passes to the hosts (an interface variable set there is
+    kept). ``timeout``: seconds the whole check may take.
 
     Returns the :class:`NetworkReport`; raises :class:`~ddpnb.errors.NetworkError` naming
     every failing host or pair and the fix (its ``report`` holds the table).
 
-    Example
-    -------
     >>> report = check_network(Ssh(), parse_hosts(["gpu1", "gpu2"]), "python3",
     ...                        master_addr="gpu1", master_port=29500)  # doctest: +SKIP
     >>> report.env(1)  # doctest: +SKIP
@@ -224,7 +155,7 @@ def _run_agents(
     user_env: Mapping[str, str],
     timeout: float,
 ) -> list[dict]:
-    """Start one agent per host, trade their listeners, collect what each saw."""
+    """One agent per host; relay their facts to every one of them; what each then saw."""
     deadline = time.monotonic() + timeout
     connect_timeout = min(meshcheck.CONNECT_TIMEOUT, timeout / 4)
     base = {
@@ -232,41 +163,67 @@ def _run_agents(
         "master_port": master_port,
         "ifname": user_env.get("GLOO_SOCKET_IFNAME") or None,
         "connect_timeout": connect_timeout,
-        "timeout": timeout + 5,  # the agent's own end, should this side vanish
+        "timeout": timeout,
     }
-    agents: list[_Agent] = []
+    agents: list[tuple[subprocess.Popen, queue.Queue]] = []
     try:
         for n, host in enumerate(hosts):
-            agents.append(_Agent(ssh, host, python, {**base, "node0": n == 0}))
-        first_by = deadline - connect_timeout - 2
+            agents.append(_agent(ssh, host, python, {**base, "rank": n}))
         nodes = [{"name": h.spec} for h in hosts]
-        for node, agent in zip(nodes, agents):
-            got = agent.expect("DDPNB-NET1", first_by)
-            node.update(got if isinstance(got, dict) else {"error": got})
-        listening = {
-            str(n): (node["facts"]["address"], node["mesh_port"])
-            for n, node in enumerate(nodes)
-            if node.get("mesh_port")
-        }
-        for n, (node, agent) in enumerate(zip(nodes, agents)):
-            if not node.get("error"):
-                targets = {k: v for k, v in listening.items() if k != str(n)}
-                agent.send({"targets": targets, "left": deadline - time.monotonic()})
-        for node, agent in zip(nodes, agents):
-            if not node.get("error"):
-                got = agent.expect("DDPNB-NET2", deadline)
-                node.update(got if isinstance(got, dict) else {"error": got})
+        for by in (deadline - connect_timeout - 2, deadline):
+            for node, (_, records) in zip(nodes, agents):
+                try:
+                    if "error" not in node:
+                        node.update(records.get(timeout=max(0.0, by - time.monotonic())))
+                except queue.Empty:
+                    node["error"] = "did not answer the network check in time (ssh or python hung)"
+            if by < deadline:  # every agent gets every live host's facts
+                live = json.dumps([None if "error" in node else node for node in nodes])
+                for proc, _ in agents:
+                    try:
+                        proc.stdin.write(live + "\n")
+                        proc.stdin.flush()
+                    except OSError:
+                        pass  # it has ended: its last record says why
         return nodes
     finally:
-        for agent in agents:
-            agent.close()
+        for proc, _ in agents:
+            try:
+                proc.stdin.close()  # the agent reads end-of-file and exits
+                proc.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+
+
+def _agent(ssh: Ssh, host: Host, python: str, args: dict) -> tuple[subprocess.Popen, queue.Queue]:
+    """meshcheck's agent on ``host``, and the queue of its records (last: why it ended)."""
+    line = remote_line([python, "-c", AGENT_SOURCE, "--agent", json.dumps(args)])
+    pipe = subprocess.PIPE  # a session of its own: ours to end, by its process group
+    proc = subprocess.Popen(ssh.command(host, line), stdin=pipe, stdout=pipe, stderr=pipe,
+                            text=True, start_new_session=True)  # fmt: skip
+    records: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        stderr: list[str] = []
+        drain = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
+        drain.start()
+        for out in proc.stdout:
+            if out.startswith(meshcheck.TAG):
+                records.put(json.loads(out[len(meshcheck.TAG) :]))
+        code = proc.wait()
+        drain.join(2)
+        records.put({"error": _explain(code, "".join(stderr), python)})
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc, records
 
 
 def _row(n: int, node: dict, backend: str, user_env: Mapping[str, str]) -> HostRow:
     facts = node.get("facts") or {}
     iface = facts.get("iface")
-    names = meshcheck.IFNAME_VARS if backend == "nccl" else meshcheck.IFNAME_VARS[:1]
-    env = {v: iface for v in names if iface and v not in user_env}
     connects = node.get("connects") or {}
     failed = [k for k, seen in connects.items() if k != "master" and seen != "ok"]
     if node.get("error"):
@@ -284,5 +241,5 @@ def _row(n: int, node: dict, backend: str, user_env: Mapping[str, str]) -> HostR
         reaches_node0=connects.get("master", "-"),
         mesh=mesh,
         versions=meshcheck.show_versions(node.get("versions")),
-        env=env,
+        env=meshcheck.ifname_env(iface, backend, user_env),
     )
