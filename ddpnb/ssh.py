@@ -197,6 +197,7 @@ except OSError:
     out["marker"] = None
 if args["port"] is not None:
     s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: TIME_WAIT is free
     try:
         s.bind(("", args["port"]))
         out["port"] = s.getsockname()[1]
