@@ -47,16 +47,12 @@ def node_commands(
     """The exact ``torchrun`` command to paste on each host (``hosts[0]`` is the master).
 
     ``what``: a :class:`~ddpnb.Script` or the worker's TrainConfig. ``rendezvous="static"``
-    gives each host its ``--node_rank`` and ``--master_addr``; ``"c10d"`` uses an elastic
-    rendezvous hosted on the first host. Each c10d line names its own host
-    (``--local_addr``) and the first says it hosts the store (``is_host=1``): torchrun
-    would otherwise guess both from the machine's host name, which on clusters with a
-    separate training network resolves elsewhere. ``run_dir`` is where the script and
-    its files sit on every node. ``node_rank`` returns that one node's line only.
+    gives each host its ``--node_rank``; ``"c10d"``: an elastic rendezvous on the first host,
+    each line naming its own ``--local_addr`` (torchrun would otherwise go by the host name,
+    which on clusters with a separate training network resolves elsewhere). ``run_dir``:
+    where the script's files sit on every node. ``node_rank``: only that node's line.
     ``launcher``: what starts torchrun (e.g. ``["python3", "-m", "torch.distributed.run"]``).
 
-    Example
-    -------
     >>> cmds = node_commands(TrainConfig(), "/shared/run", hosts=["10.0.0.1", "10.0.0.2"])
     >>> cmds[1].split()[:3]
     ['torchrun', '--nnodes=2', '--node_rank=1']
@@ -78,7 +74,7 @@ def node_commands(
             "authentication: run multi-node jobs only on a trusted private network.",
             stacklevel=2,
         )
-    # Unique per run directory, so two jobs on one endpoint cannot collide.
+    # Unique per run directory: two jobs on one endpoint cannot collide.
     rdzv_id = f"ddpnb-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}"
     lines = [
         shlex.join(

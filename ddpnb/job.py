@@ -1,9 +1,7 @@
 """A launched run: followed to its end, stopped, diagnosed — whatever runs its nodes.
 
-:class:`Job` is what :func:`ddpnb.launch` and :func:`ddpnb.submit_slurm` return. What
-differs between simulated nodes, SSH hosts and a Slurm job is one :class:`Scheduler`
-class each (TorchX's word); the panel, the hang watch and the diagnosis are written once,
-here.
+What differs between simulated nodes, SSH hosts and a Slurm job is one :class:`Scheduler`
+subclass each; the panel, the hang watch and the diagnosis are written once, here.
 """
 
 from __future__ import annotations
@@ -36,30 +34,25 @@ TRACEBACK = "Traceback (most recent call last):"
 
 
 class Scheduler:
-    """Where a run's nodes run: simulated here (``ddpnb.local.Local``), on SSH hosts
-    (``ddpnb.remote.Hosts``), or as a Slurm job (``ddpnb.slurm.Slurm``).
-
-    ``ddpnb.pipeline.run`` calls ``check``, ``preflight`` and ``start``; the Job follows
-    the nodes through the rest. A new scheduler (Kubernetes, ...) is one subclass.
-    """
+    """Where a run's nodes run; ``pipeline.run`` calls check, preflight, start; the Job the rest."""
 
     nnodes: int
     nproc_per_node: int
-    data_here = True  # the worker's dataset must be on this machine
+    data_here = True
     hosts: list[str] | None = None  # per node, as the user named them (None: this machine)
-    watch_stalls = True  # a silent run is a stalled one (not while a cluster queues it)
-    outlives_launcher = False  # the run belongs to a cluster, not to this process
-    procs: dict[int, subprocess.Popen] = {}  # this machine's process of each node
-    job_id: str | None = None  # the cluster's id of the run (Slurm's job id)
-    master_addr: str | None = None  # node 0's address, when a cluster names it
-    master_port: int | None = None  # the rendezvous port, when a cluster names it
-    state: str | None = None  # the cluster's state of the run ("RUNNING", ...)
+    watch_stalls = True  # not while a cluster queues it
+    outlives_launcher = False
+    procs: dict[int, subprocess.Popen] = {}
+    job_id: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    state: str | None = None
 
     def check(self, plan: Plan) -> None:
         """What can be checked before the run directory exists (a cluster's limits)."""
 
     def preflight(self, plan: Plan, run_dir: Path) -> Topology:
-        """Check what the nodes need (hosts, ports, the network); the run's final topology."""
+        """Check what the nodes need; return the run's final topology."""
         raise NotImplementedError
 
     def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:
@@ -71,7 +64,7 @@ class Scheduler:
         raise NotImplementedError
 
     def stop(self) -> None:
-        """End every process of the run, wherever it runs; return once they are gone."""
+        """End every process of the run; return once they are gone."""
         raise NotImplementedError
 
     def batch_log(self) -> Path | None:
@@ -87,16 +80,16 @@ class Scheduler:
         return None
 
     def sync(self) -> None:
-        """Bring node 0's progress files here while the run goes on (if not shared)."""
+        """Bring node 0's progress files here while the run goes on."""
 
     def sync_stacks(self, force: bool) -> None:
-        """Bring every rank's stack snapshots here (if not shared); ``force``: now, or raise."""
+        """Bring every rank's stack snapshots here; ``force``: now, or raise."""
 
     def fetch(self) -> None:
         """Bring every node's results and logs here once the run has ended."""
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
-        """The diagnosed error with what only the scheduler knows (host, cluster state)."""
+        """Add to the diagnosed error what only the scheduler knows (host, cluster state)."""
         return error
 
     def pids(self) -> list[int]:
@@ -115,12 +108,7 @@ def _stop_live_jobs() -> None:  # a kernel restart must not leave workers behind
 
 
 class Job:
-    """A launched run: its nodes, files and gathered metrics.
-
-    Returned by :func:`ddpnb.launch` and :func:`ddpnb.submit_slurm`. ``wait()`` follows
-    it to the end (raising :class:`~ddpnb.errors.WorkerFailed` on failure), ``stop()``
-    ends every process of it.
-    """
+    """A launched run (:func:`ddpnb.launch`, :func:`ddpnb.submit_slurm`): nodes, files, metrics."""
 
     def __init__(
         self,
@@ -136,8 +124,8 @@ class Job:
         started_at: float | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
-        self.script = script  # the ddpnb.Script that runs
-        self.config = config  # its TrainConfig when it is ddpnb's worker, else None
+        self.script = script
+        self.config = config  # None unless it is ddpnb's worker
         self.topology = topology
         self.scheduler = scheduler
         self.log_paths = {
@@ -150,14 +138,13 @@ class Job:
         self.error: BaseException | None = None
         self._ended = False
         self.hang_timeout, self.on_hang = hang_timeout, on_hang
-        self.waiting: Verdict | None = None  # the hang watch's latest verdict, when not "ok"
-        self._watched = 0.0  # when the hang watch last looked
-        self._ranks: list = []  # what it saw (ddpnb.hang.RankState per rank)
-        self._output: tuple = ()  # the node logs' sizes and the progress file's time, last seen
+        self.waiting: Verdict | None = None
+        self._watched = 0.0
+        self._ranks: list = []  # ddpnb.hang.RankState per rank
+        self._output: tuple = ()  # the node logs' sizes and the progress file's time
         self._output_moved = time.time()
         _live_jobs.add(self)
 
-    # torchrun's names, read from the topology
     nnodes = property(lambda self: self.topology.nnodes)
     nproc_per_node = property(lambda self: self.topology.nproc_per_node)
     world_size = property(lambda self: self.topology.world_size)
@@ -168,24 +155,23 @@ class Job:
     max_restarts = property(lambda self: self.topology.max_restarts)
     hosts = property(lambda self: self.scheduler.hosts)
     procs = property(lambda self: self.scheduler.procs)
-    # A scheduler's (Slurm): the job's id, its state ("PENDING", "RUNNING", ...); else None.
     job_id = property(lambda self: self.scheduler.job_id)
     state = property(lambda self: self.scheduler.state)
 
     def batch_log(self) -> Path | None:
-        """A Slurm job's batch script output (``logs/slurm-<job id>.out``); else None."""
+        """A Slurm job's batch script output; else None."""
         return self.scheduler.batch_log()
 
     # -- state -------------------------------------------------------------------
 
     @property
     def metrics(self) -> RunMetrics:
-        """The run's gathered metrics (re-read on every access)."""
+        """The run's metrics (re-read on every access)."""
         return load_metrics(self.run_dir)
 
     @property
     def epochs(self) -> int | None:
-        """How many epochs the run trains, when it says (the worker's config, or its reports)."""
+        """How many epochs the run trains, when it says."""
         if self.config is not None:
             return self.config.epochs
         return read_progress(self.run_dir).get("epochs")
@@ -222,7 +208,6 @@ class Job:
         return out
 
     def _worker_output(self, node: int) -> bool:
-        """True once a worker of ``node`` has printed a line in this launch."""
         try:
             with open(self.log_paths[node], "rb") as f:
                 f.seek(self._log_start[node])
@@ -231,20 +216,15 @@ class Job:
             return False
 
     def last_line(self, node: int) -> str:
-        """The node's last worker line (``[rankN] ...``); before any, torchrun's last line.
-
-        A stopped torchrun prints its own traceback last (``SignalException``...): what the
-        workers said before it is what a reader wants to see.
-        """
+        """The node's last worker line (``[rankN] ...``); before any, torchrun's last line."""
         lines = [ln.strip() for ln in log_tail(self.run_dir, node, 60).splitlines()]
         lines = [ln for ln in lines if ln and not ln.startswith("$ ")]
         workers = [ln for ln in lines if WORKER_LINE.match(ln.encode())]
-        if not workers and TRACEBACK in lines:  # what torchrun said before its traceback
+        if not workers and TRACEBACK in lines:  # a stopped torchrun's own traceback comes last
             lines = lines[: lines.index(TRACEBACK)]
         return (workers or lines or [""])[-1]
 
     def log_tail(self, node: int = 0, lines: int = 20) -> str:
-        """The last ``lines`` lines of a node's log."""
         return log_tail(self.run_dir, node, lines)
 
     def pids(self) -> list[int]:
@@ -252,7 +232,7 @@ class Job:
         return self.scheduler.pids()
 
     def node_steps(self) -> dict[int, int]:
-        """Optimizer steps per node so far (its first rank's), as the hang watch saw them."""
+        """Optimizer steps per node so far (its first rank's)."""
         out: dict[int, int] = {}
         for r in self._ranks:
             out.setdefault(r.node, r.steps)
@@ -261,13 +241,8 @@ class Job:
     def stacks(self) -> Stacks:
         """Where every rank is now: the user's line and what it waits in, torch's frames folded.
 
-        Read from the snapshots each worker writes every few seconds (``ddpnb.watch``), on
-        any scheduler. Raises :class:`~ddpnb.errors.RunDirError` when the run has ended or
-        the watch is off (``hang_timeout=None``), :class:`~ddpnb.errors.HostError` when a
-        host cannot be reached.
+        RunDirError when the run has ended or the watch is off (``hang_timeout=None``).
 
-        Example
-        -------
         >>> print(job.stacks())   # doctest: +SKIP
         rank 0 waits in barrier at train.py:21 (dist.barrier())  [node 0 on gpu1, pid 4242]
         """
@@ -292,10 +267,8 @@ class Job:
     def wait(self, timeout: float | None = None) -> Job:
         """Follow the run to its end, showing progress; return self.
 
-        Raises :class:`WorkerFailed` (with host, node, rank, exit code and traceback)
-        when a worker fails, :class:`RendezvousTimeout` when the nodes do not all join,
-        and stops every process on KeyboardInterrupt before re-raising it.
-        ``timeout`` (seconds) raises TimeoutError and leaves the run going.
+        Raises :class:`WorkerFailed` or :class:`RendezvousTimeout` on failure; stops every
+        process on KeyboardInterrupt. ``timeout`` (seconds) raises TimeoutError, the run going on.
         """
         display = make_progress(self.progress_mode, self)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -325,7 +298,7 @@ class Job:
         return self
 
     def _finished(self) -> bool:
-        """True once every node ended, or one failed (self.error then says how)."""
+        """True once every node ended, or one failed (then self.error is set)."""
         codes = self.returncodes
         failed = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
         if failed:
@@ -359,8 +332,7 @@ class Job:
         if found.kind != "hang" or self.on_hang != "stop":
             return None
         if found.cause == "same" and self.config is not None:
-            # ddpnb's worker gives its collectives a timeout of its own (timeout_seconds):
-            # when it ends them, the diagnosis names the node that stopped answering.
+            # ddpnb's worker times out its own collectives: the diagnosis then names the node.
             return None
         first = next(r for r in ranks if r.state == "running")
         return RunHung(
@@ -373,15 +345,15 @@ class Job:
         )
 
     def _hang_limit(self) -> float:
-        """hang_timeout; for ddpnb's worker at most half its own collective timeout, so that
-        the hang is named before gloo's timeout ends the run with a bare 'Timed out'."""
+        """hang_timeout, for ddpnb's worker at most half its collective timeout: the hang is
+        named before gloo ends the run with a bare 'Timed out'."""
         limit = self.hang_timeout or HANG_DEFAULT
         if self.config is not None:
             limit = min(limit, self.config.timeout_seconds / 2)
         return limit
 
     def _quiet_floor(self) -> float:
-        """When the run last printed a line or reported progress (output counts as progress)."""
+        """When the run last printed a line or reported progress."""
         seen = (
             tuple(_size(p) for p in self.log_paths.values()),
             read_progress(self.run_dir).get("time"),
@@ -400,14 +372,14 @@ class Job:
 
     def _failure(self, failed: dict[int, int]) -> RunFailed:
         time.sleep(0.5)  # give the other agents a moment to write their error files
-        self.scheduler.fetch()  # error files and logs of hosts without a shared filesystem
+        self.scheduler.fetch()
         error = diagnose_failure(
             self.run_dir, self._met(), list(self.returncodes), failed, self.started_at
         )
         return self.scheduler.explain(error, failed)
 
     def _met(self) -> Topology:
-        """The topology with where the nodes met, once a cluster named it (for a diagnosis)."""
+        """The topology with where the nodes met, once a cluster named it."""
         met = {"master_addr": self.master_addr or "its first node", "master_port": self.master_port}
         return dataclasses.replace(self.topology, **met)
 

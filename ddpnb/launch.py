@@ -1,9 +1,4 @@
-"""``launch``: a script or the worker, on simulated nodes or SSH hosts.
-
-Picks the scheduler from the arguments (``hosts``: :class:`ddpnb.remote.Hosts`; else
-:class:`ddpnb.local.Local`) and hands it to the one pipeline (:func:`ddpnb.pipeline.run`),
-as :func:`ddpnb.submit_slurm` does with :class:`ddpnb.slurm.Slurm`.
-"""
+"""``launch``: a script or the worker, on simulated nodes (``Local``) or SSH hosts (``Hosts``)."""
 
 from __future__ import annotations
 
@@ -49,34 +44,24 @@ def launch(
 ) -> Job:
     """Run a script with DDP: one ``torchrun`` per node, followed to its end.
 
-    ``what`` is a :class:`~ddpnb.Script` (any torchrun script, its arguments and files)
-    or a :class:`~ddpnb.TrainConfig` (ddpnb's tutorial worker). Node 0 is the master and
-    hosts the rendezvous at ``master_addr:master_port``. Without ``hosts`` the ``nnodes``
-    nodes (default 2) are simulated on this machine, on loopback, and its cores are split
-    over all their processes; ``local_nodes`` limits which nodes start here (the others
-    run :func:`node_commands` on their own hosts). With ``hosts``
-    (``["gpu1", "alice@gpu2", "10.0.0.3:2222"]``) each host runs one node, started over
-    SSH (``ssh_config``: ``ssh -F``; ``ssh_options``: extra ssh arguments; ``python``:
-    the hosts' interpreter, default this one's path; ``remote_run_dir``: the run
-    directory on hosts that do not share this one); the first host is node 0 and
-    ``master_addr`` defaults to its address. ``env`` is added to every node's
-    environment. When no rank has moved for ``hang_timeout`` seconds and ranks wait in
-    a collective, the run hangs: ``on_hang="stop"`` ends it with
-    :class:`~ddpnb.errors.RunHung` naming every rank's line (checkpoint kept), ``"wait"``
-    shows it and waits until you stop it; ``hang_timeout=None`` turns the watch off
-    (``job.stacks()`` needs it). The run directory is the script's working directory on every node;
-    what node 0 writes there is here when the run ends. Everything is validated before
-    any process starts.
+    ``what``: a :class:`~ddpnb.Script` (any torchrun script) or a :class:`~ddpnb.TrainConfig`
+    (ddpnb's worker). ``run_dir`` is its working directory on every node; what node 0 writes
+    there is here when the run ends. Node 0 hosts the rendezvous at ``master_addr:master_port``.
 
-    Returns a :class:`Job` (already finished when ``wait``); raises
-    :class:`~ddpnb.errors.WorkerFailed` (host, node, rank, exit code, the script's
-    traceback) if a worker fails.
+    Without ``hosts``, ``nnodes`` nodes (default 2) are simulated on this machine, on
+    loopback; ``local_nodes`` limits which start here (the others run :func:`node_commands`).
+    With ``hosts`` (``["gpu1", "alice@gpu2", "10.0.0.3:2222"]``) each host runs one node over
+    SSH, the first being node 0 (``master_addr`` defaults to its address). ``ssh_config``:
+    ``ssh -F``; ``ssh_options``: extra ssh arguments; ``python``: the hosts' interpreter
+    (default this one's path); ``remote_run_dir``: the run directory on hosts that do not
+    share this one. ``env`` is added to every node's environment.
 
-    Example
-    -------
-    >>> job = launch(Script("train.py", args=["--epochs", "3"]), "runs/mine", nnodes=2)  # doctest: +SKIP
-    >>> job = launch(TrainConfig(data_dir="data/digits"), "runs/ddp", nnodes=2)         # doctest: +SKIP
-    >>> launch(cfg, "runs/lab", hosts=["gpu1", "gpu2"], nproc_per_node=4)              # doctest: +SKIP
+    When no rank has moved for ``hang_timeout`` seconds and ranks wait in a collective,
+    ``on_hang="stop"`` ends the run with :class:`~ddpnb.errors.RunHung` (checkpoint kept),
+    ``"wait"`` shows the hang and waits; ``hang_timeout=None`` turns the watch off (and
+    ``job.stacks()``). Raises :class:`~ddpnb.errors.WorkerFailed` if a worker fails.
+
+    >>> job = launch(Script("train.py", args=["--epochs", "3"]), "runs/a")  # doctest: +SKIP
     """
     if hosts is not None:
         from .remote import Hosts
@@ -107,7 +92,7 @@ def launch(
 
 
 def train_single(config: TrainConfig | Mapping[str, Any], run_dir: str | os.PathLike, **kwargs):
-    """Deprecated: ``launch(config, run_dir, nnodes=1)`` is the same run, under one name."""
+    """Deprecated: ``launch(config, run_dir, nnodes=1)``."""
     warnings.warn(
         "ddpnb.train_single(cfg, run_dir) is now ddpnb.launch(cfg, run_dir, nnodes=1).",
         FutureWarning,

@@ -1,9 +1,4 @@
-"""Simulated nodes: every node's torchrun agent on this machine, the store on loopback.
-
-The scheduler of ``ddpnb.launch(...)`` without hosts. Its nodes are processes of this
-machine (:class:`~ddpnb.pipeline.Processes` starts, watches and stops them); what it adds is which
-nodes start here, node 0's port, and the command that starts each agent.
-"""
+"""Simulated nodes: every node's torchrun agent on this machine, the store on loopback."""
 
 from __future__ import annotations
 
@@ -27,8 +22,7 @@ from .topology import Topology
 class Local(Processes):
     """Simulated nodes: ``local_nodes`` (default all) of ``nnodes`` start here.
 
-    ``master_port`` None picks a free port; a given one must be free when node 0 runs
-    here. :attr:`topology` is the run's, final: built once, here.
+    ``master_port`` None picks a free port; a given one must be free when node 0 runs here.
     """
 
     data_here = True
@@ -83,8 +77,7 @@ class Local(Processes):
         }
 
         def commands(lifeline: int) -> dict:
-            # The run's lifetime is tied to this process: when it ends, however it ends, the
-            # pipe's write end closes and every agent stops its node (agent.watch_lifeline).
+            # When this process ends, however it ends, every agent stops its node.
             popen = {"cwd": run_dir, "env": {**env, LIFELINE_ENV: str(lifeline)}}
             popen |= {"stdin": subprocess.DEVNULL, "pass_fds": (lifeline,)}
             out = {}

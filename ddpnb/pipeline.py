@@ -1,13 +1,8 @@
 """The launch pipeline, and the processes it owns: check, prepare, start, follow.
 
-Written once for every scheduler (``ddpnb.local.Local``, ``ddpnb.remote.Hosts``,
-``ddpnb.slurm.Slurm``), none of which it imports. The kernel never joins the process
-group: each node runs one ``torchrun`` agent as a fresh process (no fork), from an
-explicit environment, and the Job follows the files the workers write.
-
-The lifeline ties every agent to this process: the agents hold the read end of a pipe
-whose write end only this process holds, so they stop their nodes when it ends, however
-it ends (a Slurm job belongs to the cluster instead, and has none).
+The kernel never joins the process group: each node is one ``torchrun`` agent started as
+a fresh process. The lifeline, a pipe whose write end only this process holds, stops the
+agents' nodes when this process ends, however it ends.
 """
 
 from __future__ import annotations
@@ -29,26 +24,23 @@ from .plan import Plan
 from .preflight import warn_if_cuda_initialised
 from .rundir import prepare_run_dir
 
-AGENT = Path(__file__).with_name("agent.py")  # each node's torchrun; its source goes over ssh
+AGENT = Path(__file__).with_name("agent.py")
 STOP_GRACE_SECONDS = 4.0
 
 
 def run(
     what: Any, run_dir: str | os.PathLike, scheduler: Scheduler, *, wait: bool, **options
 ) -> Job:
-    """The one path of every launch; nothing starts before every check passed.
-
-    ``what``: a Script or the worker's config; ``options``: :meth:`Plan.of`'s.
-    """
+    """The one path of every launch, every check first; ``options``: :meth:`Plan.of`'s."""
     world_size = scheduler.nnodes * scheduler.nproc_per_node
     plan = Plan.of(what, world_size, scheduler.data_here, **options)
-    scheduler.check(plan)  # nothing written yet
+    scheduler.check(plan)
     run_dir = prepare_run_dir(
         run_dir, plan.payload, plan.config, resume=plan.resume, overwrite=plan.overwrite
     ).resolve()
-    topology = scheduler.preflight(plan, run_dir)  # the run's final shape and meeting point
+    topology = scheduler.preflight(plan, run_dir)
     warn_if_cuda_initialised()
-    shutil.rmtree(run_dir / WATCH_DIR, ignore_errors=True)  # an earlier launch's stacks
+    shutil.rmtree(run_dir / WATCH_DIR, ignore_errors=True)
     for name, data in plan.files.items():  # ddpnb's hooks: fresh at every launch
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_bytes(data)
@@ -71,15 +63,12 @@ def alive(pid: int) -> bool:
             return False
 
 
-_lifelines: set[int] = set()  # write ends held by this process, one per running job
+_lifelines: set[int] = set()  # write ends, one per running job
 
 
 def open_lifeline() -> tuple[int, int]:
-    """A pipe (read, write): the agents get the read end, only this process the write end.
-
-    Both ends are non-inheritable; a forked child closes its copies of the write ends, so
-    no other process can keep a run alive.
-    """
+    """A pipe (read, write) for the agents; a forked child closes its copies of the write ends,
+    so no other process can keep a run alive."""
     if not _lifelines:
         os.register_at_fork(after_in_child=lambda: [close_lifeline(fd) for fd in list(_lifelines)])
     read_fd, write_fd = os.pipe()
@@ -96,20 +85,15 @@ def close_lifeline(fd: int) -> None:
 
 
 class Processes(Scheduler):
-    """Nodes that are processes of this machine: torchrun agents, or ssh clients running them.
-
-    The base of the simulated nodes' scheduler and the SSH hosts', which differ only in
-    the command that starts a node; this class starts, watches and stops either kind.
-    """
+    """Nodes that are processes of this machine: torchrun agents, or ssh clients running them."""
 
     def __init__(self) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
-        self.lifeline: int | None = None  # write end of the pipe the agents watch
+        self.lifeline: int | None = None
         self._known: set[int] = set()
 
     def spawn_all(self, run_dir: Path, program: str, commands: Callable[[int], dict]) -> None:
-        """Start every node: ``commands(lifeline_read_fd)`` gives ``{node: (argv, shown,
-        popen_kwargs)}``; output to ``logs/node-N.log``. A failed start stops what started."""
+        """Start every node; ``commands(lifeline_fd)``: ``{node: (argv, shown, popen_kwargs)}``."""
         lifeline_read, self.lifeline = open_lifeline()
         try:
             for node, (cmd, shown, popen) in commands(lifeline_read).items():
@@ -127,7 +111,7 @@ class Processes(Scheduler):
                 raise LaunchError(f"Could not start {program}: {e}") from e
             raise
         finally:
-            os.close(lifeline_read)  # the agents hold it now
+            os.close(lifeline_read)
 
     def poll(self) -> dict[int, int | None]:
         self.pids()

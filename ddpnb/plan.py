@@ -15,21 +15,20 @@ from .preflight import as_config, check_progress, check_run
 from .reporting import FAULT_ENV, RUN_DIR_ENV, parse_fault
 from .script import Script, worker_script
 
-HANG_TIMEOUT = 60.0  # seconds without progress, a rank waiting in a collective: the run hangs
+HANG_TIMEOUT = 60.0  # seconds without progress, waiting in a collective
 WATCH_INTERVAL = 2.0  # seconds between a worker's snapshots of its stack
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One run, checked, built once by :meth:`of`: the script and its files, the worker's
-    config (None for your own script), the nodes' ``env``, and how the Job follows it."""
+    """One run, checked, built once by :meth:`of` (``config``: None for your own script)."""
 
     script: Script
     config: TrainConfig | None
-    payload: Mapping[str, bytes]  # the script's files by name, read once
+    payload: Mapping[str, bytes]
     env: Mapping[str, str]
     progress: str = "auto"
-    resume: bool = False  # what to do with a run already in the run directory
+    resume: bool = False
     overwrite: bool = False
     hang_timeout: float | None = HANG_TIMEOUT
     on_hang: str = "stop"
@@ -70,12 +69,11 @@ class Plan:
 
     @property
     def files(self) -> dict[str, bytes]:
-        """Everything each node's run directory gets: the script's files, and ddpnb's hooks."""
+        """Each node's run directory's files: the script's, and ddpnb's hooks."""
         return {**self.payload, **hooks_payload()}
 
     @property
     def follow(self) -> dict[str, Any]:
-        """How the Job follows the run: the display, and the hang watch."""
         return {
             "progress": self.progress,
             "hang_timeout": self.hang_timeout,
@@ -83,10 +81,7 @@ class Plan:
         }
 
     def user_env(self, node_dir: str, pythonpath: str | None = None) -> dict[str, str]:
-        """The user's ``env`` and the variables that load ddpnb's hooks (none with the watch off).
-
-        ``pythonpath``: the node's own PYTHONPATH; the user's comes after ddpnb's hooks folder.
-        """
+        """The user's ``env`` and what loads ddpnb's hooks; ``pythonpath``: the node's own."""
         env = {} if self.hang_timeout is None else watch_env(node_dir, WATCH_INTERVAL, pythonpath)
         user = dict(self.env)
         if "PYTHONPATH" in user and "PYTHONPATH" in env:
@@ -100,16 +95,16 @@ class Plan:
         cores: int | None = None,
         pythonpath: str | None = None,
     ) -> dict:
-        """The run's variables for one node's agent (never this process's own environment)."""
+        """The run's variables for one node's agent (not this process's environment)."""
         env = {
-            RUN_DIR_ENV: node_dir,  # where ddpnb_reporting writes
+            RUN_DIR_ENV: node_dir,
             "DDPNB_PROCS_ON_HOST": str(procs_on_host),
             "PYTHONUNBUFFERED": "1",
             "DDPNB_LAUNCHED": "1",
         }
         cfg = self.config
         threads = (cfg.threads if cfg else 0) or threads_for_host(procs_on_host, cores)
-        env["OMP_NUM_THREADS"] = str(threads)  # this process's share of the host's cores
+        env["OMP_NUM_THREADS"] = str(threads)
         env.update(self.user_env(node_dir, pythonpath))
         return env
 

@@ -1,16 +1,8 @@
 """Launching on real hosts over SSH: one ``torchrun`` per host, followed from here.
 
-Before anything starts, every host is probed in parallel (reachable, logs in, has the
-interpreter with torch and torchvision, holds the same dataset as node 0 when the run is
-ddpnb's worker; node 0's port is free). A host that sees this machine's run directory (a
-shared filesystem) uses it as it is; any other gets the script and its files copied to
-the same path (or ``remote_run_dir``), and its results are brought back when the run
-ends: node 0's whole run directory (what the script wrote there), every node's logs.
-Node 0's progress is copied here while it runs, so the panel and the plots work unchanged.
-
-Each host's agent reads its SSH session's input as its lifeline: the local ``ssh``
-client's input is the read end of the launcher's pipe. When the launcher ends, or the
-connection does, the agent sees end-of-file and stops its node (see ddpnb.agent).
+A host that does not see this machine's run directory gets the files copied and its results
+brought back. Each host's agent reads its SSH session's input as its lifeline: at its
+end-of-file (the launcher or the connection ended) it stops its node.
 """
 
 from __future__ import annotations
@@ -55,8 +47,6 @@ from .topology import Topology, check_meeting_point, check_shape
 REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace (5 s)
 SYNC_SECONDS = 2.0  # how often node 0's progress is copied here (one SSH login each)
 STACKS_SYNC_SECONDS = 5.0  # how often the ranks' stacks are copied here (one login per host)
-# torch.distributed's and the backends' own settings travel from this machine's
-# environment to the hosts (NCCL_SOCKET_IFNAME, NCCL_DEBUG, GLOO_SOCKET_IFNAME, ...).
 FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_CPP_LOG")
 HELD = """
 import os, shutil, sys
@@ -78,14 +68,7 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 class Hosts(Processes):
-    """The SSH backend: one host per node, each running its torchrun agent over ``ssh``.
-
-    Its nodes are the ``ssh`` clients here (:class:`~ddpnb.job.Processes` watches and
-    stops them). Starting differs from simulated nodes only in the command (``ssh ...
-    python agent``) and in the files: hosts that do not see this machine's run directory
-    get the script's files copied, node 0's progress is copied here while it runs, and
-    every node's results are brought back; a lost connection is a NodeLost naming the host.
-    """
+    """The SSH backend: one host per node, its torchrun agent run through a local ``ssh``."""
 
     data_here = False
 
@@ -116,14 +99,13 @@ class Hosts(Processes):
             )
         self.remote_run_dir = remote_run_dir
         self.hosts = [h.spec for h in self.parsed]
-        self._synced = self._stacks_synced = 0.0  # when progress and stacks were copied
+        self._synced = self._stacks_synced = 0.0
 
     def check(self, plan) -> None:
         pass  # the hosts are asked in preflight, with the run directory's marker
 
     def preflight(self, plan, run_dir: Path) -> Topology:
-        """Probe every host (login, interpreter, torch, data, node 0's port), then prove the
-        network; nothing starts. Node 0's address: the user's, else the first host's."""
+        """Probe every host, then prove the network; nothing starts."""
         master_addr, master_port, rdzv_timeout, max_restarts = self.shape
         probes, master_addr, self.network = _survey(
             self.ssh, self.parsed, self.python, plan.config, run_dir, self.nproc_per_node,
@@ -173,10 +155,7 @@ class Hosts(Processes):
         self.spawn_all(run_dir, "ssh", commands)
 
     def sync_stacks(self, force: bool) -> None:
-        """Copy the ranks' stack snapshots here from hosts without the shared folder.
-
-        ``force`` (``job.stacks()``): now, and a host that cannot be read is a HostError.
-        """
+        """Copy the ranks' stack snapshots from unshared hosts; ``force``: now, or HostError."""
         todo = [n for n, shared in enumerate(self.shared) if not shared]
         if not todo or (not force and time.monotonic() - self._stacks_synced < STACKS_SYNC_SECONDS):
             return
@@ -200,7 +179,7 @@ class Hosts(Processes):
             )
 
     def stop(self) -> None:
-        """Cut the lifeline first: each host's agent stops its node there; then the clients."""
+        """Cut the lifeline first (each agent stops its node), then the ssh clients."""
         self.cut_lifeline()
         deadline = time.monotonic() + REMOTE_STOP_SECONDS
         while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
@@ -222,7 +201,6 @@ class Hosts(Processes):
         )
 
     def fetch(self) -> None:
-        """Node 0's whole run directory (what the script wrote), every node's ranks and logs."""
 
         def one(n: int) -> None:
             names = ["."] if n == 0 else ["ranks", f"logs/node-{n}"]
@@ -260,10 +238,7 @@ def _survey(
     ssh: Ssh, hosts: list[Host], python: str, config, folder: Path, nproc: int,
     master_addr: str | None, port: int | None, user_env: Mapping[str, str], probe_port: bool,
 ) -> tuple[list[Probe], str, NetworkReport]:  # fmt: skip
-    """What ``launch(hosts=...)`` and :func:`check_hosts` ask before anything starts: every
-    host probed (each report says if it sees ``folder``: ``shared``), then the network proven
-    from node 0's address (``master_addr``, default the first host's) and port (``probe_port``:
-    a free one found on node 0 when ``port`` is None, else ``port`` checked free there)."""
+    """Probe every host, then prove the network; ``probe_port``: find or check node 0's port."""
     data_dir = config.data_dir if config is not None else None
     gpus = config is not None and config.backend == "nccl"
     token = secrets.token_hex(8)
@@ -280,8 +255,6 @@ def _survey(
     for p in probes:
         p.report["shared"] = p.report["marker"] == token
     master_addr = master_addr or ssh.hostname(hosts[0])
-    # The network, proven: every host reaches node 0 and every peer; each gets its
-    # interface toward node 0 unless the user set one (a NetworkError names the rest).
     ifnames = "gloo" if config is not None and config.backend == "gloo" else "nccl"
     network = check_network(
         ssh, hosts, python, master_addr=master_addr, master_port=port, backend=ifnames,
@@ -303,11 +276,10 @@ def check_hosts(
 ) -> Table:
     """The preflight of ``launch(hosts=...)``, starting no training: a row per host.
 
-    Every host is asked (login, interpreter, torch, the dataset when ``config`` is the
-    worker's TrainConfig; None for your own script), then the network is proven
-    (:func:`ddpnb.network.check_network`). Raises :class:`~ddpnb.errors.HostError` (or its
-    :class:`~ddpnb.errors.NetworkError`) naming every host or pair that cannot run the job,
-    and the fix. With ``run_dir`` (an existing folder here) each row says if that host sees it.
+    ``config``: the worker's TrainConfig (its dataset is checked), or None for your own
+    script. ``run_dir`` (an existing folder here): each row says if that host sees it.
+    Raises :class:`~ddpnb.errors.HostError` (or :class:`~ddpnb.errors.NetworkError`) naming
+    every host or pair that cannot run the job.
 
     >>> print(check_hosts(None, ["gpu1", "gpu2"]))                  # doctest: +SKIP
     node  host  address   interface  reaches node 0  mesh  torch   ...
@@ -344,7 +316,7 @@ def check_hosts(
 
 
 def _check_remote_dirs(ssh: Ssh, hosts: list[Host], python: str, dirs, shared, plan) -> None:
-    """A host's own copy of the run directory follows the same rules as the local one."""
+    """Refuse (or clean, with ``overwrite``) a host's copy of the run directory holding a run."""
     names = [*PRODUCTS, *plan.payload]
     for n, host in enumerate(hosts):
         held = [] if shared[n] else _held(ssh, host, python, dirs[n], names, clean=False)
@@ -385,8 +357,7 @@ def agent_command(
 ) -> tuple[list[str], str]:
     """The ssh command that runs node ``node``'s agent on ``host``, and how to show it.
 
-    The agent's source travels in the command line (``python -c``), so the hosts need
-    nothing of ddpnb; the shown line abbreviates it to ``<ddpnb agent>``.
+    The agent's source travels in the command line, so the hosts need nothing of ddpnb.
     """
     log_dir = f"{remote_dir}/logs/node-{node}"
     argv = topology.command([python, "-c", "AGENT"], node, script, remote_dir, log_dir=log_dir)
@@ -410,17 +381,12 @@ def ssh_commands(
 ) -> list[str]:
     """One line per host to paste into a terminal: ssh to it, go to ``run_dir``, run torchrun.
 
-    The script and its files must already be at ``run_dir`` on every host (a shared
-    filesystem, or copied there). ``python``: the hosts' interpreter, which then runs
-    torchrun as ``python -m torch.distributed.run``; default ``torchrun`` from the hosts'
-    PATH. ``network``: :func:`check_hosts`' ``rows.network``, whose interface variables
-    (``GLOO_SOCKET_IFNAME``...) each line then sets: a host whose name resolves to loopback
-    needs them. ``launch(hosts=...)`` runs the same torchrun line under ddpnb's small agent, which
-    stops the node when the launcher ends. Nothing is started and no host is contacted
-    (``ssh -G`` only reads the client config).
+    The script's files must already be at ``run_dir`` on every host. ``python``: the hosts'
+    interpreter (runs ``python -m torch.distributed.run``; default ``torchrun`` on PATH).
+    ``network``: :func:`check_hosts`' ``rows.network``, whose interface variables
+    (``GLOO_SOCKET_IFNAME``...) each line sets: a host whose name resolves to loopback needs
+    them. No host is contacted.
 
-    Example
-    -------
     >>> ssh_commands(Script("train.py"), "/shared/run", ["gpu1", "gpu2"])[1]   # doctest: +SKIP
     "ssh -t -- gpu2 'cd /shared/run && torchrun --nnodes=2 --node_rank=1 ... /shared/run/train.py'"
     """

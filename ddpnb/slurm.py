@@ -1,15 +1,7 @@
 """Slurm from the notebook: submit a run with ``sbatch``, follow it, cancel it, attach to it.
 
-A batch job belongs to the cluster, not to the kernel that submitted it: it keeps
-running when the kernel ends (unlike local and SSH runs), and :func:`attach` follows
-it again from a new kernel. The run directory must be on a filesystem that the
-submit host and every node share (as ``/home`` or ``/scratch`` are on most Slurm
-clusters): the job's progress, metrics and logs are read from there. A marker file
-written at submission checks it; a node that cannot see it stops the job at once.
-
-Slurm is asked gently, no more than every :data:`POLL_SECONDS`: ``scontrol show job``
-answers for running jobs and for ended ones (until ``MinJobAge``), with the state,
-Slurm's reason and the exit code; ``sacct`` is used once a job has left slurmctld.
+A batch job outlives the kernel that submitted it; :func:`attach` follows it from a new
+one. The run directory must be on a filesystem the submit host and every node share.
 """
 
 from __future__ import annotations
@@ -61,13 +53,11 @@ SCRIPT_NAME = "train.sbatch"
 MARKER_NAME = ".ddpnb-submit-marker"
 NOT_SHARED_EXIT = 97  # the batch script's exit code when a node cannot see the marker
 NETWORK_EXIT = 96  # ... when the network check of its first step failed
-# States in which the job may still run (or run again, after a requeue).
 ALIVE = set(
     "PENDING CONFIGURING RUNNING COMPLETING SUSPENDED REQUEUED REQUEUE_HOLD REQUEUE_FED "
     "RESIZING SIGNALING STAGE_OUT STOPPED".split()
 )
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "")
-# What to do when Slurm itself ended the job, by Slurm's state.
 ENDED_HINTS = {
     "TIMEOUT": "it ran into its time limit: submit again with a longer time= and resume=True",
     "NODE_FAIL": "a node of the allocation failed: submit again with resume=True",
@@ -83,15 +73,13 @@ ENDED_HINTS = {
 
 
 def _slurm_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A copy of this process's environment (SLURM_CONF included), never modified in place."""
     return {**os.environ, **(extra or {})}
 
 
 def _run_slurm(
     argv: list[str], env: Mapping[str, str] | None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """Run a Slurm command (explicit argv, a copy of the environment); SlurmError if it is
-    missing or does not answer."""
+    """Run a Slurm command; SlurmError if it is missing or does not answer."""
     exe = shutil.which(argv[0], path=(env or os.environ).get("PATH"))
     if exe is None:
         raise SlurmError(
@@ -114,7 +102,7 @@ def _run_slurm(
 
 
 def _slurm(argv: list[str], env: Mapping[str, str] | None = None) -> str:
-    """A Slurm command's stdout; SlurmError (naming the command) when it fails."""
+    """A Slurm command's stdout; SlurmError when it fails."""
     r = _run_slurm(argv, env)
     if r.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed (exit {r.returncode}): {r.stderr.strip()}")
@@ -122,17 +110,12 @@ def _slurm(argv: list[str], env: Mapping[str, str] | None = None) -> str:
 
 
 def _fields(text: str) -> dict[str, str]:
-    """``Key=Value Key=Value`` (``scontrol show -o``) as a dict; values may hold spaces only
-    at the end of the line (Reason is always followed by another key)."""
+    """``scontrol show -o``'s ``Key=Value`` pairs as a dict."""
     return dict(re.findall(r"(\S+?)=(\S*)", text))
 
 
 def job_state(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, str] | None:
-    """Slurm's view of a job: JobState, Reason, NodeList, ExitCode, Restarts, StartTime.
-
-    ``{}`` when Slurm no longer knows the job, ``None`` when it did not answer this
-    time. ``scontrol`` first; ``sacct`` (where accounting is on) for a job that has
-    left slurmctld.
+    """Slurm's view of a job; ``{}`` when it no longer knows it, None when it did not answer.
 
     >>> job_state("12345")["JobState"]                     # doctest: +SKIP
     'RUNNING'
@@ -150,7 +133,7 @@ def job_state(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, st
     )
     for line in r.stdout.splitlines() if r.returncode == 0 else []:
         state, exit_code, nodes, start = (line.split("|") + ["", "", "", ""])[:4]
-        # sacct writes "CANCELLED by 0": the state is the first word.
+        # sacct writes "CANCELLED by 0"
         return {
             "JobState": state.split()[0] if state else "",
             "Reason": "None",
@@ -186,7 +169,6 @@ def slurm_available(env: Mapping[str, str] | None = None) -> bool:
 
 
 def _partitions(env: Mapping[str, str]) -> dict[str, dict]:
-    """Every partition: node count, CPUs and GPUs per node, whether it is up and the default."""
     out = _slurm(["sinfo", "-h", "-o", "%P|%D|%c|%G|%a"], env)
     parts: dict[str, dict] = {}
     for line in out.splitlines():
@@ -208,9 +190,6 @@ def check_slurm_request(
     env: Mapping[str, str] | None = None,
 ) -> str:
     """Check that sbatch exists and the partition can hold the job; return the partition.
-
-    Raises :class:`SlurmError` without Slurm, :class:`SlurmRequestError` for an unknown
-    partition, or more nodes or GPUs per node than it has.
 
     >>> check_slurm_request(2, "gpu", 4)                    # doctest: +SKIP
     'gpu'
@@ -257,14 +236,10 @@ def _timestamp(text: str) -> float | None:
 
 
 class Slurm(Scheduler):
-    """The Slurm scheduler: a run as one batch job, submitted with ``sbatch`` and followed.
+    """The Slurm scheduler: a run as one batch job (``job_id``: one submitted earlier).
 
-    ``check`` holds the request against the cluster (partition, nodes, GPUs), ``start``
-    writes the batch script and submits it; from then on (or given ``job_id``, for a job
-    submitted earlier: :func:`attach`) Slurm is asked how the job is (``scontrol``, at most every
-    POLL_SECONDS) and ``stop()`` is ``scancel`` until Slurm reports the end. The run
-    directory is shared, so no file moves. ``options``: sbatch's (``partition``, ``time``,
-    ``account``, ``gpus_per_node``, ``sbatch_args``) and the nodes' ``python``.
+    ``options``: ``partition``, ``time``, ``account``, ``gpus_per_node``, ``sbatch_args``,
+    ``python``.
     """
 
     watch_stalls = False  # a queued job is silent for as long as Slurm makes it wait
@@ -284,7 +259,7 @@ class Slurm(Scheduler):
 
     @property
     def master_port(self) -> int | None:
-        """The rendezvous port the batch script derives from its job id (as the script does)."""
+        """The rendezvous port the batch script derives from its job id."""
         return 20000 + int(re.sub(r"\D.*", "", self.job_id) or 0) % 20000 if self.job_id else None
 
     def check(self, plan) -> None:
@@ -338,8 +313,7 @@ class Slurm(Scheduler):
         (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
     def slurm_state(self, fresh: bool = False) -> dict[str, str]:
-        """Slurm's fields for the job (``JobState``, ``Reason``, ...), asked at most every
-        POLL_SECONDS unless ``fresh``."""
+        """Slurm's fields for the job, asked at most every POLL_SECONDS unless ``fresh``."""
         if fresh or time.monotonic() - self._asked >= POLL_SECONDS:
             state = job_state(self.job_id, self.env)
             self._asked = time.monotonic()
@@ -384,11 +358,7 @@ class Slurm(Scheduler):
         return dict.fromkeys(range(self.nnodes), code or 1)  # the job ended without completing
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """Cancel the job (``scancel``); return once Slurm reports that it ended.
-
-        Slurm signals every process of the job on every node, SIGKILLs what is left
-        after its KillWait, and only then reports the job as ended.
-        """
+        """Cancel the job (``scancel``); return once Slurm reports that it ended."""
         if self.slurm_state(fresh=True).get("JobState") in ALIVE:
             self.cancelled_here = True
             _slurm(["scancel", self.job_id], self.env)
@@ -402,7 +372,6 @@ class Slurm(Scheduler):
             time.sleep(1.0)
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
-        """The diagnosed error, or what Slurm says ended the job (time limit, node failure)."""
         info = self.slurm_state(fresh=True)
         state = info.get("JobState", "UNKNOWN")
         exit_code = _exit_code(info.get("ExitCode", ""))
@@ -442,7 +411,6 @@ class Slurm(Scheduler):
 
 
 def _finished_on_disk(run_dir: Path) -> bool:
-    """The run directory says the run finished (for a job Slurm has forgotten)."""
     return read_progress(run_dir).get("phase") == "done"
 
 
@@ -501,8 +469,6 @@ net="$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$n
 exec "$@"' bash {launcher} \\
     {torchrun}
 """
-# Submitted by ddpnb: every node checks it sees the submit host's marker (exit 97), then
-# ddpnb_meshcheck.py proves the network on every node (exit 96), before torchrun starts.
 SUBMITTED = """
 # The run directory must be on a filesystem every node shares: each node checks that it
 # sees the marker the submit host wrote there, else the job ends at once (exit 97).
@@ -538,11 +504,10 @@ def batch_script(
     env: Mapping[str, str] | None = None,
     marker: str | None = None,
 ) -> str:
-    """The sbatch script: ``sbatch`` options (``#SBATCH`` lines), then one torchrun per node.
+    """The sbatch script: ``#SBATCH`` lines, then one torchrun per node.
 
-    Without ``topology.master_port`` the port follows from the job id, so two jobs whose
-    first node is the same do not collide. ``marker``: the token ddpnb wrote at submission
-    (then the marker and network steps run first).
+    Without ``topology.master_port`` the port follows from the job id, so two jobs on the same
+    node do not collide. ``marker``: the submission's token (adds the marker and network steps).
     """
     q = shlex.quote
     port = str(topology.master_port or "$master_port")
@@ -576,8 +541,7 @@ def batch_script(
 def sbatch_options(
     nnodes: int, job_name: str, time: str, gpus_per_node: int | None, **named: str | None
 ) -> list[str]:
-    """sbatch's options for one torchrun per node; ``named`` (``partition``, ``account``,
-    ``output``) when given. ``--open-mode=append``: a requeued job adds to its logs."""
+    """sbatch's options for one torchrun per node (``--open-mode=append``: for requeues)."""
     options = [f"--job-name={job_name}", f"--nodes={nnodes}", "--ntasks-per-node=1"]
     options += [f"--time={time}", "--open-mode=append"]
     options += [f"--{k}={v}" for k, v in named.items() if v]
@@ -603,17 +567,14 @@ def slurm_script(
 ) -> str:
     """An sbatch script that runs ``what`` with one torchrun per node (c10d rendezvous).
 
-    Writes it to ``path`` when given; submit it with ``sbatch`` (:func:`submit_slurm` does
-    it all). ``master_port=None``: a port from the job id. ``python`` runs torchrun as
-    ``python -m torch.distributed.run`` (default: ``torchrun`` on PATH). Each node's output
-    goes to ``run_dir/logs/node-N.log``, the script's own to ``%x-%j.out`` in the submit
-    directory.
+    Writes it to ``path`` when given. ``master_port=None``: a port from the job id.
+    ``python`` runs ``python -m torch.distributed.run`` (default: ``torchrun`` on PATH).
+    Node output goes to ``run_dir/logs/node-N.log``, the script's to ``%x-%j.out``.
 
     >>> "torchrun" in slurm_script(TrainConfig(), "/shared/run", nnodes=4)
     True
     """
     script = what if isinstance(what, Script) else worker_script(as_config(what))
-    # The first node, and without master_port the port, are the job's: shell variables.
     topology = Topology(nnodes, nproc_per_node, None, master_port, rdzv_timeout, max_restarts)
     named = {"output": "%x-%j.out", "partition": partition, "account": account}
     sbatch = sbatch_options(nnodes, job_name, time_limit, gpus_per_node, **named)
@@ -649,22 +610,14 @@ def submit_slurm(
 ) -> Job:
     """Submit a run as a Slurm batch job (``sbatch``) and follow it like :func:`ddpnb.launch`.
 
-    ``what``: a :class:`~ddpnb.Script` or the worker's TrainConfig. Checks first (the
-    script, the dataset, ``sbatch``, the partition, the nodes and GPUs asked for), then
-    writes the script's files and ``train.sbatch`` into ``run_dir`` (which must be on a
-    filesystem every node shares) and submits. One torchrun per node (``srun``), the
-    c10d rendezvous on the first node. ``python`` is the interpreter the nodes run
-    (default: this one). With ``sbatch_args=["--requeue"]`` a requeued job resumes from
-    its checkpoint; ``max_restarts`` lets torchrun restart failed workers inside the
-    allocation. ``hang_timeout`` and ``on_hang``: the hang watch, as in :func:`ddpnb.launch`
-    (``"stop"`` cancels the job).
+    ``what``: a :class:`~ddpnb.Script` or the worker's TrainConfig. ``run_dir`` must be on
+    a filesystem every node shares. ``python``: the nodes' interpreter (default: this one).
+    ``sbatch_args=["--requeue"]``: a requeued job resumes from its checkpoint;
+    ``max_restarts``: torchrun restarts failed workers inside the allocation.
+    ``hang_timeout``, ``on_hang``: as in :func:`ddpnb.launch` (``"stop"`` cancels the job).
+    Raises :class:`~ddpnb.errors.WorkerFailed` or :class:`SlurmJobEnded` on failure; the
+    job outlives this process (:func:`attach` follows it again).
 
-    Returns a :class:`~ddpnb.Job` (finished when ``wait``); raises
-    :class:`~ddpnb.errors.WorkerFailed` or :class:`SlurmJobEnded` on failure.
-    The job outlives this process: ``attach(run_dir)`` follows it again.
-
-    Example
-    -------
     >>> job = submit_slurm(cfg, "/scratch/me/run", nnodes=2, partition="gpu",   # doctest: +SKIP
     ...                    nproc_per_node=4, gpus_per_node=4, time="02:00:00")
     >>> job.metrics.final["val_acc"]                                             # doctest: +SKIP
@@ -690,7 +643,6 @@ def submit_slurm(
 
 
 def _submit(argv: list[str], run_dir: Path, env: dict[str, str]) -> str:
-    # The job's working directory is sbatch's: the run directory.
     r = _run_slurm(argv, env, cwd=run_dir)
     if r.returncode != 0 or not r.stdout.strip():
         raise SlurmError(
@@ -701,7 +653,7 @@ def _submit(argv: list[str], run_dir: Path, env: dict[str, str]) -> str:
 
 
 def _refuse_live_job(run_dir: Path, env: Mapping[str, str]) -> None:
-    """A run directory whose job still runs must not get a second job writing into it."""
+    """Refuse a second job in a run directory whose job still runs."""
     try:
         old = json.loads((run_dir / JOB_FILE).read_text())["job_id"]
     except (OSError, ValueError, KeyError):
@@ -717,14 +669,9 @@ def _refuse_live_job(run_dir: Path, env: Mapping[str, str]) -> None:
 def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto") -> Job:
     """Follow a submitted Slurm job again, from any process (a new kernel, the CLI).
 
-    Reads ``run_dir/slurm_job.json`` (written by :func:`submit_slurm`). Returns the
-    :class:`~ddpnb.Job`, followed to its end when ``wait``; raises as ``wait()`` does.
+    Reads ``run_dir/slurm_job.json``; follows the job to its end when ``wait``.
 
-    Example
-    -------
     >>> job = attach("/scratch/me/run")            # doctest: +SKIP
-    >>> job.metrics.final["val_acc"]               # doctest: +SKIP
-    0.97
     """
     run_dir = Path(run_dir).resolve()
     try:
@@ -747,7 +694,7 @@ def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto"
         "hang_timeout": record.get("hang_timeout", HANG_TIMEOUT),
         "on_hang": record.get("on_hang", "stop"),
     }
-    topology = Topology(  # what the job was submitted with (older records: the defaults)
+    topology = Topology(  # older records: the defaults
         record["nnodes"], record["nproc_per_node"], None, None,
         record.get("rdzv_timeout", SLURM_RDZV_TIMEOUT), record.get("max_restarts", 0),
     )  # fmt: skip

@@ -1,15 +1,7 @@
-"""Reaching real machines over SSH: the system's OpenSSH client, and nothing on the hosts
-but Python with torch and torchvision.
+"""Reaching real machines over SSH: the system's OpenSSH client; the hosts need only Python.
 
-Every remote command is one string for the remote shell, built with ``shlex`` from
-argument lists: no user input is ever pasted into a shell line unquoted. ``ssh`` runs
-with ``BatchMode=yes`` (a password prompt would hang a notebook cell forever), so the
-user's ``~/.ssh/config``, agent, keys, jump hosts and known_hosts work as they already
-do; ``ssh_config`` (``ssh -F``) and ``ssh_options`` cover the rest.
-
-Small Python programs run on the hosts with ``python -c``: the probe behind the
-preflight, and the file transfers (tar streams over the SSH connection, so no
-``scp``/``sftp`` subsystem or remote ``tar`` is needed).
+Remote lines are built with ``shlex`` from argument lists; the probe and the file transfers
+(tar streams) are small ``python -c`` programs, so the hosts need no ``scp`` or ``tar``.
 """
 
 from __future__ import annotations
@@ -29,21 +21,19 @@ from pathlib import Path, PurePosixPath
 from . import constants
 from .errors import ConfigError, HostError
 
-# ssh's own defaults, unless ssh_options say otherwise (ssh keeps the first value it is
-# given for an option, and the user's options come first).
+# Unless ssh_options say otherwise: ssh keeps an option's first value, the user's come first.
 SSH_DEFAULTS = (
     "-o",
     "BatchMode=yes",  # never prompt: a prompt would hang the cell
     "-o",
     "ConnectTimeout=10",
-    # A host that stops answering mid-run (network cut, host down) ends its ssh within
-    # about 15 s, so the run reports that node lost instead of waiting on it.
+    # A host that stops answering ends its ssh within ~15 s: the node is reported lost.
     "-o",
     "ServerAliveInterval=5",
     "-o",
     "ServerAliveCountMax=3",
 )
-PROBE_TIMEOUT = 15.0  # seconds a host has to answer the preflight
+PROBE_TIMEOUT = 15.0
 SSH_FAILED = 255  # ssh's exit status for its own errors (connection, authentication)
 
 
@@ -136,11 +126,11 @@ class Ssh:
         return args
 
     def command(self, host: Host, remote: str) -> list[str]:
-        """``ssh ... -- destination remote``: ``remote`` is one line for the remote shell."""
+        """``ssh ... -- destination remote``."""
         return [*self.base(host), "-T", "--", host.destination, remote]
 
     def hostname(self, host: Host) -> str:
-        """The address ssh connects to for ``host`` (``HostName`` of its config), via ``ssh -G``."""
+        """The address ssh connects to for ``host`` (its config's ``HostName``, ``ssh -G``)."""
         out = subprocess.run(
             [*self.base(host), "-G", "--", host.destination],
             capture_output=True,
@@ -158,9 +148,7 @@ class Ssh:
 def remote_line(
     argv: Sequence[str], cwd: str | None = None, env: Mapping[str, str] | None = None
 ) -> str:
-    """One remote-shell line running ``argv`` (in ``cwd``, with ``env``), every word quoted.
-
-    ``exec`` replaces the remote shell, so the program holds the session's stdin itself.
+    """One remote-shell line running ``argv``; ``exec``: the program holds the session's stdin.
 
     >>> remote_line(["python", "-c", "print(1)"], cwd="/my runs", env={"A": "b c"})
     "cd '/my runs' && exec env 'A=b c' python -c 'print(1)'"
@@ -213,7 +201,7 @@ print("DDPNB-PROBE " + json.dumps(out))
 
 
 def _probe_source() -> str:
-    # The dataset fingerprint is the package's own code, so every host hashes alike.
+    # The package's own fingerprint code, so every host hashes alike.
     helpers = inspect.getsource(constants.dataset_files) + inspect.getsource(
         constants.dataset_fingerprint
     )
@@ -222,8 +210,6 @@ def _probe_source() -> str:
 
 @dataclasses.dataclass
 class Probe:
-    """What one host answered (or why it did not)."""
-
     host: Host
     report: dict | None = None
     error: str | None = None
@@ -270,7 +256,7 @@ def probe(
 
 
 def _explain(returncode: int, stderr: str, python: str) -> str:
-    """ssh's or the remote shell's failure, in one line with the fix."""
+    """ssh's or the remote shell's failure, with the fix."""
     last = " ".join(stderr.strip().splitlines()[-2:]) or f"exit code {returncode}"
     if returncode == SSH_FAILED:
         if "Permission denied" in stderr or "Too many authentication failures" in stderr:
@@ -303,7 +289,7 @@ def probe_all(ssh: Ssh, hosts: Sequence[Host], python: str, **kwargs) -> list[Pr
 def check_probes(
     probes: Sequence[Probe],
     *,
-    data_dir: str | None,  # the worker's dataset (it also needs torchvision); None: a script
+    data_dir: str | None,  # None: not ddpnb's worker
     nproc_per_node: int,
     gpus: bool,
     port: int | None,
@@ -418,10 +404,7 @@ def pull(
     local_dir: Path,
     timeout: float = 60,
 ) -> bool:
-    """Copy ``names`` (files or folders under ``remote_dir``) from ``host`` into ``local_dir``.
-
-    Missing names are skipped. Returns False if the host could not be read.
-    """
+    """Copy ``names`` under ``remote_dir`` from ``host`` into ``local_dir``; False if unreadable."""
     cmd = ssh.command(host, remote_line([python, "-c", PACK, remote_dir, *names]))
     try:
         out = subprocess.run(
@@ -439,7 +422,7 @@ def pull(
         for m in tar.getmembers():
             parts = PurePosixPath(m.name).parts
             if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir()):
-                continue  # only plain files inside the run directory come back
+                continue
             target = local_dir.joinpath(*parts)
             if m.isdir():
                 target.mkdir(parents=True, exist_ok=True)

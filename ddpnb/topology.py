@@ -1,8 +1,6 @@
 """The shape of a run: how many nodes and processes, where they meet, torchrun's options.
 
-:meth:`Topology.command` is the one place a node's torchrun command line is built: the
-simulated nodes, the SSH hosts, the sbatch script and the printed per-node and ssh lines
-all take it from here.
+:meth:`Topology.command` is the one place a node's torchrun command line is built.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from .errors import ConfigError
 class Topology:
     """``nnodes`` x ``nproc_per_node`` processes meeting at ``master_addr:master_port``.
 
-    Both are None for a Slurm job: the cluster names the first node, and the port follows
-    from the job id, when the job runs.
+    Both are None for a Slurm job: they are the job's, once it runs.
 
     >>> Topology(nnodes=2, nproc_per_node=2, master_addr="127.0.0.1", master_port=29500).world_size
     4
@@ -44,8 +41,7 @@ class Topology:
     def command(
         self, launcher: Sequence[str], node_rank: int | None, script: Any, run_dir: str, **options
     ) -> list[str]:
-        """One node's command line: ``launcher`` (``["torchrun"]``, or an interpreter running
-        torchrun), torchrun's options (:meth:`torchrun_args`), the script and its arguments.
+        """One node's command line: ``launcher``, torchrun's options, the script and its arguments.
 
         >>> from ddpnb.script import Script
         >>> Topology(1, 1, "127.0.0.1", 29500).command(["torchrun"], 0, Script("t.py"), "/r")[:2]
@@ -65,11 +61,9 @@ class Topology:
     ) -> list[str]:
         """torchrun's options for one node (node 0 hosts the rendezvous).
 
-        ``static``: each node gets its ``--node_rank``. ``c10d``: an elastic rendezvous named
-        ``rdzv_id``; ``local_addr`` names this node's address and ``node_rank`` 0 hosts the
-        store (``is_host=1``). A ``node_rank`` of None leaves both to the environment
-        (``PET_RDZV_CONF``, ``PET_LOCAL_ADDR``: the sbatch script sets them per node).
-        ``endpoint``: ``host:port`` as the batch script writes it (shell variables).
+        ``c10d``: an elastic rendezvous named ``rdzv_id``, node 0 hosting the store; a
+        ``node_rank`` of None leaves that and ``local_addr`` to the environment (``PET_*``, as
+        the sbatch script sets them). ``endpoint``: ``host:port``, possibly shell variables.
 
         >>> Topology(1, 1, "127.0.0.1", 29500).torchrun_args(0)[:2]
         ['--nnodes=1', '--node_rank=0']
