@@ -1,8 +1,6 @@
 """From what a run left on disk to a typed error: which node, which rank, and why.
 
-Pure functions of run-directory files (torchrun's ``error.json`` files, the node
-logs, ``progress.json``, the checkpoint) and the agents' exit codes, so every
-diagnosis can be tested on fixture files without starting a process.
+Pure functions of run-directory files and the agents' exit codes: testable on fixture files.
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)$', re.M)
 
 
 def script_line(traceback: str, run_dir: Path) -> str:
-    """`` at train.py:12 in step`` for the traceback's innermost frame of the script's own
-    files (those in the run directory, not in an installed package); "" when none is."""
+    """`` at train.py:12 in step`` for the traceback's innermost frame of the script's files."""
     frames = [m for m in _FRAME.finditer(traceback) if "site-packages" not in m.group(1)]
     folder = str(Path(run_dir).resolve()) + "/"
     mine = [m for m in frames if m.group(1).startswith(folder)] or frames
@@ -80,8 +77,7 @@ def failed_ranks(run_dir: Path, node: int, lines: int = 400) -> list[dict]:
 
 
 def stderr_traceback(path: Path) -> dict | None:
-    """A worker's last Python traceback in its ``stderr.log`` (torchrun's ``--log_dir``), for
-    scripts without ``@record``, torch's ``[rankN]:`` prefix removed."""
+    """A worker's last traceback in its ``stderr.log`` (for scripts without ``@record``)."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
@@ -98,9 +94,8 @@ def stderr_traceback(path: Path) -> dict | None:
 def worker_errors(
     run_dir: Path, nodes: Sequence[int], nproc_per_node: int, since: float = 0.0
 ) -> list:
-    """Every failed worker's error, root cause first: ((secondary, mtime), node, global_rank,
-    info), from its ``error.json`` or else its ``stderr.log``; files older than ``since`` are
-    an earlier launch's."""
+    """Failed workers' errors, root cause first: ((secondary, mtime), node, global_rank, info);
+    files older than ``since`` are an earlier launch's."""
     errors = []
     for node in nodes:
         summary = {r["local_rank"]: r["rank"] for r in failed_ranks(run_dir, node)}
@@ -217,11 +212,7 @@ def diagnose_failure(
     failed: dict[int, int],
     started_at: float,
 ) -> RunFailed:
-    """The typed error for agents that exited non-zero (``failed``: node -> exit code).
-
-    The root cause comes first: peers that lost their connection to a dead rank fail
-    later and say so.
-    """
+    """The typed error, root cause first, for agents that exited non-zero (``failed``: node->rc)."""
     errors = worker_errors(run_dir, local_nodes, topology.nproc_per_node, started_at)
     node = min(failed)
     tail = log_tail(run_dir, node, 200)

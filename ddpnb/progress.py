@@ -53,8 +53,7 @@ STATUS_COLORS = {
 # The hang watch's verdicts as the panel shows them: (label, border colour).
 WAITING_STYLE = {"hang": ("The run hangs", "#d33682"), "slow": ("Slow phase", "#b58900")}
 
-# A PNG cannot follow JupyterLab's theme: in a dark theme invert it (keeping the hues), so
-# the plot shows light lines on dark grey like the rest of the panel, not a white block.
+# A PNG cannot follow JupyterLab's theme: in a dark theme invert it (hues kept), not a white block.
 DARK_THEME_CSS = (
     "<style>body[data-jp-theme-light='false'] .ddpnb-plot"
     " { filter: invert(0.87) hue-rotate(180deg); }</style>"
@@ -75,13 +74,10 @@ def _program(argv: list[str]) -> str:
 
 
 def is_jupyter_server(argv: list[str]) -> bool:
-    """True for the command line of a Jupyter server (lab, notebook, hub), not of a runner.
+    """True for a Jupyter server's command line (lab, notebook, hub), not a runner's.
 
-    Only the program's name counts: a path such as /home/jupyter/... in a papermill or
-    pytest command line says nothing about who displays the kernel's output.
+    Only the program's name counts, not a path such as /home/jupyter/... in its arguments.
 
-    >>> is_jupyter_server(["/venv/bin/python", "/venv/bin/jupyter-lab", "--ip=127.0.0.1"])
-    True
     >>> is_jupyter_server(["python", "-m", "papermill", "/home/jupyter/nb.ipynb", "out.ipynb"])
     False
     """
@@ -280,9 +276,7 @@ class WidgetProgress:
     def _say_busy(self) -> None:
         """Tell JupyterLab again that this cell's kernel is busy (at most once a second).
 
-        JupyterLab sends the panel's widget messages through a kernel subshell, and the
-        subshell reports itself idle after each one: the status bar then reads "Idle" while
-        this cell still runs. A status message for the running cell puts it right.
+        The widget messages' kernel subshell reports idle after each one, while the cell runs.
         """
         now = time.monotonic()
         if now - self.busy_said < 1.0:
@@ -324,8 +318,8 @@ class WidgetProgress:
 
         fig = Figure(figsize=(7.2, 2.6), layout="constrained")
         ax_loss, ax_acc = fig.subplots(1, 2)
-        # Markers on both: after the first epoch a line alone would show nothing. A script
-        # reports what it has: each curve is drawn from the epochs that hold its number.
+        # Markers: after the first epoch a line alone shows nothing. Each curve uses the
+        # epochs that hold its number.
         for ax, key, style, label in (
             (ax_loss, "train_loss", "--o", "train"),
             (ax_loss, "val_loss", "-o", "val"),
