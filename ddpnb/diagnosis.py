@@ -15,16 +15,14 @@ from .errors import NodeLost, RendezvousTimeout, RunFailed, RunStalled, WorkerFa
 from .metrics import load_metrics, read_json, read_progress
 from .topology import Topology
 
-# Messages of ranks that failed only because a peer died first.
-SECONDARY_ERRORS = (
+SECONDARY_ERRORS = (  # messages of ranks that failed only because a peer died first
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
     "Timed out waiting",  # gloo: a peer did not answer within timeout_seconds
     "this node is lost",  # the worker of a killed agent stopping itself
 )
-# How long past its own limits a silent run may stay silent before it is called stuck.
-GRACE_SECONDS = 30
+GRACE_SECONDS = 30  # seconds past its own limits before a silent run is called stuck
 
 
 def log_tail(run_dir: Path, node: int, lines: int = 20) -> str:

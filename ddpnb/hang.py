@@ -20,7 +20,6 @@ from .metrics import read_json
 from .script import HOOKS_DIR  # in the run directory: ddpnb's hooks, on every worker's PYTHONPATH
 
 WATCH_DIR = Path(HOOKS_DIR) / "watch"  # the ranks' snapshots
-# What the hooks folder holds: its name there, and the package file it is a copy of.
 HOOKS = {
     "sitecustomize.py": "site_hooks.py",
     "ddpnb_watch.py": "watch.py",
@@ -148,8 +147,7 @@ class Verdict:
     kind: str
     message: str
     quiet_for: float = 0.0
-    # For a hang: "different" collectives, a rank "ended", "spawn" under torchrun, or the
-    # "same" collective on every rank (a peer or the network stopped answering).
+    # For a hang: "different" collectives, a rank "ended", "spawn", or the "same" on every rank.
     cause: str = ""
 
     @property
@@ -227,7 +225,7 @@ def _ranks(ranks: list[RankState]) -> str:
 
 
 def hooks_payload() -> dict[str, bytes]:
-    """ddpnb's hooks, by their path in the run directory (written, and copied to hosts, each launch)."""
+    """ddpnb's hooks by their run-directory path (written, and copied to hosts, each launch)."""
     here = Path(__file__).parent
     return {f"{HOOKS_DIR}/{name}": (here / src).read_bytes() for name, src in HOOKS.items()}
 

@@ -113,7 +113,6 @@ class _Pass:
 
 
 def _read(path: str, parse):
-    """The file's text parsed, or None where it is missing or unreadable."""
     try:
         with open(path) as f:
             return parse(f.read())
@@ -208,11 +207,8 @@ class _Observer:
                 p.written = True
 
     def train_pass_ended(self, p: _Pass) -> None:
-        """At the end of a training epoch, wait briefly for every rank to end the same one.
-
-        Epochs of different lengths would leave a rank blocked in DDP's all-reduce while its
-        peers start mismatched collectives (gloo aborts); step counts in files end all cleanly.
-        """
+        """At the end of a training epoch, wait briefly for every rank to end the same one:
+        uneven epochs would block a rank in DDP's all-reduce while peers start other collectives."""
         if p.id not in self.train_passes:
             return
         epoch = self.train_passes.index(p.id) + 1
@@ -348,7 +344,6 @@ class _Observer:
         return digest.hexdigest()[:16]
 
     def install(self, torch) -> None:
-        """Hook torch (once the script imported it); a failure leaves the script as it was."""
         self.torch = torch
         hooks = (_hook_init, _hook_ddp, _hook_loader, _hook_sampler, _hook_steps, _hook_save)
         for hook in (*hooks, _hook_collectives, _hook_spawn, _hook_devices):

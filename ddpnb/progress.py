@@ -74,9 +74,7 @@ def _program(argv: list[str]) -> str:
 
 
 def is_jupyter_server(argv: list[str]) -> bool:
-    """True for a Jupyter server's command line (lab, notebook, hub), not a runner's.
-
-    Only the program's name counts, not a path such as /home/jupyter/... in its arguments.
+    """True for a Jupyter server's command line (lab, notebook, hub), by program name only.
 
     >>> is_jupyter_server(["python", "-m", "papermill", "/home/jupyter/nb.ipynb", "out.ipynb"])
     False
@@ -122,8 +120,7 @@ class NoProgress:
         pass
 
 
-# How an epoch row's numbers print, in this order; a script may report any of them.
-EPOCH_FIELDS = (
+EPOCH_FIELDS = (  # how an epoch row's numbers print, in order; a script may report any
     ("train_loss", "train_loss {:.4f}"),
     ("train_acc", "train_acc {:.3f}"),
     ("val_loss", "val_loss {:.4f}"),
@@ -274,10 +271,8 @@ class WidgetProgress:
             self.waiting.value = html
 
     def _say_busy(self) -> None:
-        """Tell JupyterLab again that this cell's kernel is busy (at most once a second).
-
-        The widget messages' kernel subshell reports idle after each one, while the cell runs.
-        """
+        """Tell JupyterLab again that the cell is busy (at most once a second): the widgets'
+        kernel subshell reports idle after each message, while the cell still runs."""
         now = time.monotonic()
         if now - self.busy_said < 1.0:
             return
@@ -318,8 +313,7 @@ class WidgetProgress:
 
         fig = Figure(figsize=(7.2, 2.6), layout="constrained")
         ax_loss, ax_acc = fig.subplots(1, 2)
-        # Markers: after the first epoch a line alone shows nothing. Each curve uses the
-        # epochs that hold its number.
+        # Markers: one epoch makes no line. Each curve uses the epochs that hold its number.
         for ax, key, style, label in (
             (ax_loss, "train_loss", "--o", "train"),
             (ax_loss, "val_loss", "-o", "val"),

@@ -42,7 +42,6 @@ TITLES = {
     9: "Ranks call different collectives (the run hangs)",
     10: "The script starts its own ranks under torchrun (mp.spawn)",
 }
-# Why each mistake matters, where that does not depend on what the run showed.
 WHY = {
     2: "DistributedSampler shuffles with seed + epoch: with the same epoch every epoch "
     "repeats epoch 1's order and each rank sees the same shard forever, which hurts "
@@ -99,10 +98,8 @@ NOWHERE = "(not in the script's files)"
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """Mistake ``number`` at ``where`` (``file:line``): ``seen`` what the run measured.
-
-    ``source`` is the line's text (a ``%%writefile`` cell counts its magic line: the text finds it).
-    """
+    """Mistake ``number`` at ``where`` (``file:line``); ``source``: that line's text (a
+    ``%%writefile`` cell counts its magic line, so the text is what finds the line)."""
 
     number: int
     where: str
@@ -122,10 +119,7 @@ class Finding:
 
 @dataclasses.dataclass
 class ScriptReport:
-    """What ``check_script`` found; ``exit_code``: 0 clean, 1 mistakes, 2 error or unchecked.
-
-    ``pids`` are the run's processes (agents, workers), all ended.
-    """
+    """What ``check_script`` found; ``exit_code``: 0 clean, 1 mistakes, 2 error or unchecked."""
 
     script: str
     layout: str
@@ -135,7 +129,7 @@ class ScriptReport:
     ended: str
     error: str | None = None
     seconds: float = 0.0
-    pids: list[int] = dataclasses.field(default_factory=list)
+    pids: list[int] = dataclasses.field(default_factory=list)  # agents, workers: all ended
     unchecked: str | None = None  # why the run showed too little to call the script clean
 
     @property
@@ -224,11 +218,10 @@ def check_script(
 ) -> ScriptReport:
     """Run a DDP script briefly on simulated nodes and check it for the classic mistakes.
 
-    ``script``: a :class:`ddpnb.Script` or a script's path (run unedited). ``run_dir``: where
-    the check runs (``run/``, ``observe/``); default a temporary folder, removed afterwards.
-    The script ends ``steps`` optimizer steps into its second epoch or ``seconds`` after its
-    first step; every worker ends after ``timeout`` seconds. Raises ConfigError before
-    starting anything when the script or the layout is invalid.
+    ``script``: a :class:`ddpnb.Script` or a script's path (run unedited). ``run_dir``: where the
+    check runs (``run/``, ``observe/``); default a temporary folder, removed afterwards. The
+    script ends ``steps`` optimizer steps into epoch 2 or ``seconds`` after its first step; each
+    worker after ``timeout`` seconds. ConfigError (nothing started): invalid script or layout.
 
     >>> report = check_script(Script("train.py", args=["--epochs", "100"]))  # doctest: +SKIP
     >>> report.ok, [f.title for f in report.findings]                        # doctest: +SKIP
@@ -762,7 +755,6 @@ def _rendezvous_findings(rank: _Rank, run_dir: Path):
 
 
 def _tree(run_dir: Path, where: dict | None) -> ast.AST:
-    """The parsed file of ``where`` (an empty module where there is none)."""
     try:
         return ast.parse((run_dir / where["file"]).read_text())
     except (OSError, SyntaxError, ValueError, TypeError):
@@ -849,7 +841,6 @@ def _collectives(ranks: list[_Rank], world: int, run_dir: Path) -> list:
 
 
 def _line_text(run_dir: Path, at: str) -> str:
-    """The text of line ``file:line`` of the script's files ("" where there is none)."""
     name, _, line = at.rpartition(":")
     try:
         return (run_dir / name).read_text().splitlines()[int(line) - 1].strip()

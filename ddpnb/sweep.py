@@ -74,7 +74,6 @@ def _shortened(name: str, raw: str) -> str:
 
 
 def _safe(text: str) -> str:
-    """``text`` as a file name: letters, digits and ``._+=,-`` kept, the rest ``_``."""
     name = re.sub(r"[^A-Za-z0-9._+=,-]", "_", text).lstrip(".") or "point"
     return _shortened(name, text) if len(name) > MAX_NAME else name
 
@@ -268,7 +267,6 @@ def _check_existing(points: list[Point], notebook: Path) -> None:
 
 
 def _differences(record: dict, notebook: Path, point: Point) -> list[str]:
-    """What differs between a point's record and how this sweep would run it."""
     changed = []
     if record.get("notebook") != str(notebook):
         changed.append(f"notebook {record.get('notebook')} then, {notebook} now")
@@ -307,11 +305,7 @@ def _signal_kernels(managers: list, sig: int, skip: set[int] = frozenset()) -> s
 
 
 def _stop_point(managers: list, finished: threading.Event, grace: float) -> None:
-    """Interrupt the point's kernel, then kill its process group after ``grace`` seconds.
-
-    A ddpnb run in it stops on the interrupt, or through its lifeline on the kill. A second
-    Ctrl-C kills at once.
-    """
+    """Interrupt the kernel (a ddpnb run in it stops); kill it after ``grace`` s or a 2nd Ctrl-C."""
     interrupted: set[int] = set()
     deadline = time.monotonic() + grace
     try:
@@ -388,11 +382,7 @@ def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: s
 
 
 class SweepResult(Table):
-    """The sweep's table, one row per point as in ``summary.csv``.
-
-    ``axes``: the grid's names; ``fixed``: the parameters every point shares; ``figure``:
-    ``curves.png`` (``None`` without curves).
-    """
+    """The sweep's table, one row per point as in ``summary.csv``; ``figure``: ``curves.png``."""
 
     def __init__(self, rows, out_dir: Path, axes: list[str], fixed: dict, runs: dict):
         super().__init__(rows)
@@ -527,15 +517,13 @@ def sweep(
 
     ``grid`` (``{name: [values...]}``) spans the points; ``parameters`` hold for every one.
     A point such as ``batch_size=32,lr=0.1`` runs into ``out_dir/<point>.ipynb`` and
-    ``out_dir/<point>/``, where a ``run_dir`` or ``run_root`` parameter not given points.
-    ``out_dir/summary.csv`` is rewritten after each point; a rerun skips the points done.
-
-    ``overwrite``: redo the points done and replace outputs a sweep did not write (failed or
-    interrupted points rerun anyway). ``timeout``: seconds per cell (``None``: no limit).
+    ``out_dir/<point>/`` (where ``run_dir`` or ``run_root`` point when not given).
+    ``overwrite``: redo the points done (a rerun skips them; failed ones rerun anyway) and
+    replace outputs a sweep did not write. ``timeout``: seconds per cell (``None``: no limit).
     ``cwd``: the folder the notebooks run in, so relative paths mean what they mean here.
 
-    A failed point does not stop the others (``result.ok``). ConfigError comes before anything
-    runs; Ctrl-C stops the running point and keeps the finished ones and the table.
+    A failed point does not stop the others (``result.ok``); ``summary.csv`` is rewritten after
+    each. ConfigError comes before anything runs; Ctrl-C stops the running point, keeps the rest.
 
     >>> r = sweep("notebooks/02_single_node_baseline.ipynb", "runs/sweep",      # doctest: +SKIP
     ...           grid={"batch_size": [32, 64]}, parameters={"epochs": 2})
@@ -557,7 +545,7 @@ def sweep(
                 statuses[point.name] = _run_point(point, source, timeout, kernel_name)
             except KeyboardInterrupt:
                 statuses[point.name] = "interrupted"
-                _gather(points, statuses, grid, parameters)  # the table as it stands
+                _gather(points, statuses, grid, parameters)
                 raise
         _say(point, i, len(points), statuses[point.name])
         result = _draw(_gather(points, statuses, grid, parameters))

@@ -50,8 +50,6 @@ def install(torch) -> None:
 
 
 class _Watch:
-    """This rank's snapshots."""
-
     def __init__(self, folder: str, interval: float) -> None:
         self.path = os.path.join(folder, f"rank-{os.environ['RANK']}.json")
         self.interval = interval
