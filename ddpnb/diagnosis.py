@@ -1,8 +1,6 @@
 """From what a run left on disk to a typed error: which node, which rank, and why.
 
-Pure functions of run-directory files (torchrun's ``error.json`` files, the node
-logs, ``progress.json``, the checkpoint) and the agents' exit codes, so every
-diagnosis can be tested on fixture files without starting a process.
+Pure functions of run-directory files and the agents' exit codes: testable on fixture files.
 """
 
 from __future__ import annotations
@@ -17,16 +15,14 @@ from .errors import NodeLost, RendezvousTimeout, RunFailed, RunStalled, WorkerFa
 from .metrics import load_metrics, read_json, read_progress
 from .topology import Topology
 
-# Messages of ranks that failed only because a peer died first.
-SECONDARY_ERRORS = (
+SECONDARY_ERRORS = (  # messages of ranks that failed only because a peer died first
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
     "Timed out waiting",  # gloo: a peer did not answer within timeout_seconds
     "this node is lost",  # the worker of a killed agent stopping itself
 )
-# How long past its own limits a silent run may stay silent before it is called stuck.
-GRACE_SECONDS = 30
+GRACE_SECONDS = 30  # seconds past its own limits before a silent run is called stuck
 
 
 def log_tail(run_dir: Path, node: int, lines: int = 20) -> str:
@@ -53,8 +49,7 @@ _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)$', re.M)
 
 
 def script_line(traceback: str, run_dir: Path) -> str:
-    """`` at train.py:12 in step`` for the traceback's innermost frame of the script's own
-    files (those in the run directory, not in an installed package); "" when none is."""
+    """`` at train.py:12 in step`` for the traceback's innermost frame of the script's files."""
     frames = [m for m in _FRAME.finditer(traceback) if "site-packages" not in m.group(1)]
     folder = str(Path(run_dir).resolve()) + "/"
     mine = [m for m in frames if m.group(1).startswith(folder)] or frames
@@ -80,8 +75,7 @@ def failed_ranks(run_dir: Path, node: int, lines: int = 400) -> list[dict]:
 
 
 def stderr_traceback(path: Path) -> dict | None:
-    """A worker's last Python traceback in its ``stderr.log`` (torchrun's ``--log_dir``), for
-    scripts without ``@record``, torch's ``[rankN]:`` prefix removed."""
+    """A worker's last traceback in its ``stderr.log`` (for scripts without ``@record``)."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
@@ -98,9 +92,8 @@ def stderr_traceback(path: Path) -> dict | None:
 def worker_errors(
     run_dir: Path, nodes: Sequence[int], nproc_per_node: int, since: float = 0.0
 ) -> list:
-    """Every failed worker's error, root cause first: ((secondary, mtime), node, global_rank,
-    info), from its ``error.json`` or else its ``stderr.log``; files older than ``since`` are
-    an earlier launch's."""
+    """Failed workers' errors, root cause first: ((secondary, mtime), node, global_rank, info);
+    files older than ``since`` are an earlier launch's."""
     errors = []
     for node in nodes:
         summary = {r["local_rank"]: r["rank"] for r in failed_ranks(run_dir, node)}
@@ -217,11 +210,7 @@ def diagnose_failure(
     failed: dict[int, int],
     started_at: float,
 ) -> RunFailed:
-    """The typed error for agents that exited non-zero (``failed``: node -> exit code).
-
-    The root cause comes first: peers that lost their connection to a dead rank fail
-    later and say so.
-    """
+    """The typed error, root cause first, for agents that exited non-zero (``failed``: node->rc)."""
     errors = worker_errors(run_dir, local_nodes, topology.nproc_per_node, started_at)
     node = min(failed)
     tail = log_tail(run_dir, node, 200)

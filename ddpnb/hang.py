@@ -1,11 +1,8 @@
 """Where every rank is, and whether the run hangs: read from the workers' snapshots.
 
-Each worker writes ``RUN_DIR/.ddpnb/watch/rank-<R>.json`` every few seconds (``ddpnb.watch``).
-From those files: :class:`Stacks` (``job.stacks()``, ``ddpnb stacks``), each rank's innermost
-line of the user's script and what it waits in; and a :class:`Verdict` once nothing has
-moved for a while: every rank waits in a collective (or has ended), the run **hangs**, and
-why; some ranks wait while others work, a **slow** phase, never called a bug. Pure functions
-of the snapshot files, so every verdict can be tested on fixture files.
+From ``RUN_DIR/.ddpnb/watch/rank-<R>.json`` (``ddpnb.watch``): :class:`Stacks`, each rank's line
+and what it waits in, and a :class:`Verdict` once nothing moves: every rank in a collective (or
+ended) **hangs**; some waiting while others work is a **slow** phase, never called a bug.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ from .metrics import read_json
 from .script import HOOKS_DIR  # in the run directory: ddpnb's hooks, on every worker's PYTHONPATH
 
 WATCH_DIR = Path(HOOKS_DIR) / "watch"  # the ranks' snapshots
-# What the hooks folder holds: its name there, and the package file it is a copy of.
 HOOKS = {
     "sitecustomize.py": "site_hooks.py",
     "ddpnb_watch.py": "watch.py",
@@ -37,9 +33,8 @@ BACKWARD = ("backward", "_engine_run_backward")
 BUFFER_SYNC = ("_sync_buffers", "_sync_module_buffers", "_default_broadcast_coalesced")
 JOIN = ("init_process_group", "_store_based_barrier", "new_group", "rendezvous")
 SPAWN = "torch.multiprocessing.spawn (waiting for the processes it started)"
-# What the frames below the user's line mean, first match wins: (part of the file's path,
-# the functions (None: any), the name). A collective a rank waits in, then (outside any
-# collective) what a rank does.
+# What the frames below the user's line mean, first match wins: (path part, functions (None:
+# any), name). A collective a rank waits in; then, outside any, what it does.
 COLLECTIVES = (
     ("torch/multiprocessing/spawn.py", None, SPAWN),
     (DDP, BUFFER_SYNC, "DDP's buffer broadcast in forward"),
@@ -152,8 +147,7 @@ class Verdict:
     kind: str
     message: str
     quiet_for: float = 0.0
-    # For a hang: "different" collectives, a rank "ended", "spawn" under torchrun, or the
-    # "same" collective on every rank (a peer or the network stopped answering).
+    # For a hang: "different" collectives, a rank "ended", "spawn", or the "same" on every rank.
     cause: str = ""
 
     @property
@@ -161,8 +155,7 @@ class Verdict:
         return TITLES[self.kind]
 
 
-# Why the ranks stand still, by verdict kind or hang cause: after "No rank has made progress
-# for N s: <each rank's line>" and ". " (": " for a hang).
+# Why the ranks stand still, by verdict kind or hang cause (after each rank's line).
 WHY = {
     "quiet": "No rank waits in a collective: the ranks are busy.",
     "slow": (
@@ -232,7 +225,7 @@ def _ranks(ranks: list[RankState]) -> str:
 
 
 def hooks_payload() -> dict[str, bytes]:
-    """ddpnb's hooks, by their path in the run directory (written, and copied to hosts, each launch)."""
+    """ddpnb's hooks by their run-directory path (written, and copied to hosts, each launch)."""
     here = Path(__file__).parent
     return {f"{HOOKS_DIR}/{name}": (here / src).read_bytes() for name, src in HOOKS.items()}
 
@@ -249,16 +242,10 @@ def watch_env(node_dir: str, interval: float, pythonpath: str | None = None) -> 
     }
 
 
-# -- the snapshot files --------------------------------------------------------------------
-
-
 def read_ranks(
     run_dir: str | os.PathLike, since: float = 0.0, now: float | None = None
 ) -> list[RankState]:
-    """Every rank's latest snapshot in ``run_dir``, by rank (the last attempt's only).
-
-    ``since``: ignore snapshots written before then (an earlier launch's, on a host).
-    """
+    """Every rank's latest snapshot of the last attempt; ``since`` drops earlier launches'."""
     now = time.time() if now is None else now
     # A file being replaced reads as {}: the next read has it.
     records = [read_json(p) for p in sorted((Path(run_dir) / WATCH_DIR).glob("rank-*.json"))]
@@ -346,12 +333,8 @@ def _stack_lines(r: RankState) -> list[str]:
 def stacks(run_dir: str | os.PathLike, limit: float = 60.0) -> Stacks:
     """Where every rank of the run in ``run_dir`` is now (``ddpnb stacks RUN_DIR``).
 
-    Raises :class:`~ddpnb.errors.RunDirError` naming the problem when the folder holds no
-    run, the run has ended, or a node's ranks have stopped reporting (its host cannot be
-    reached) while the others report.
+    Raises RunDirError when there is no run, it has ended, or a node's ranks stopped reporting.
 
-    Example
-    -------
     >>> print(stacks("runs/mine"))   # doctest: +SKIP
     rank 0 waits in barrier at train.py:21 (dist.barrier())  [node 0 on gpu1, pid 4242]
     """

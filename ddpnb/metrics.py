@@ -10,18 +10,13 @@ from pathlib import Path
 
 @dataclasses.dataclass
 class RunMetrics:
-    """The gathered numbers of one run directory.
-
-    ``epochs`` holds one dict per finished epoch (from ``metrics.jsonl``), ``ranks``
-    maps each global rank to its per-epoch records (from ``ranks/rank-<r>.jsonl``).
-    """
+    """One run directory's numbers: ``epochs`` from ``metrics.jsonl``, ``ranks`` by global rank."""
 
     run_dir: Path
     epochs: list[dict]
     ranks: dict[int, list[dict]]
     config: dict
-    # effective_config.json: the config with what "auto" resolved to on this run
-    # (augment and its reason, how images are read, backend, world size, threads...); {} before.
+    # effective_config.json: the config with what "auto" resolved to on this run; {} before.
     effective: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -65,8 +60,6 @@ def read_json(path: str | os.PathLike) -> dict:
 def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     """Load ``metrics.jsonl``, the rank files and the config of a run directory.
 
-    Example
-    -------
     >>> load_metrics("runs/baseline").final["val_acc"]   # doctest: +SKIP
     0.97
     """

@@ -1,17 +1,13 @@
-"""Watch a DDP script from inside its worker processes, without editing it.
+"""Watch a DDP script from inside its workers, changing neither the script nor what it computes.
 
-``ddpnb check-script`` copies this file into the run as ``ddpnb_observe``; the run's
-sitecustomize (``ddpnb.site_hooks``) calls :func:`activate` before the script's first line and
-:func:`install` once it imports torch. Each worker writes ``$DDPNB_OBSERVE/rank-<RANK>.jsonl``,
-one JSON record a line, ``kind`` naming it and ``where`` the script's line that made the call:
-``init`` (init_method, rank, world_size beside torchrun's env), ``setenv`` (MASTER_ADDR and
-friends), ``ddp``, ``loader``, ``sampler``, ``set_epoch``, ``pass`` (a pass over a DataLoader or
-DistributedSampler: its indices, whether gradients were on, the optimizer steps it fed),
-``step`` (parameter checksums after steps 1, 2 and the last), ``save``, ``device`` (CUDA
-choices), ``collectives`` (all, in order). It also ends the script: a few steps into its second
-epoch, or after a time bound, every rank stops at the same optimizer step (a stop file names it;
-DDP ranks are never more than one step apart) and exits 0; a watchdog thread ends a rank blocked
-in a collective. torch and the standard library only; the hooks change nothing it computes.
+Copied into the run as ``ddpnb_observe``; ``ddpnb.site_hooks`` calls :func:`activate` at start-up
+and :func:`install` once the script imports torch. Each worker writes one JSON record a line to
+``$DDPNB_OBSERVE/rank-<RANK>.jsonl``, ``kind`` naming it and ``where`` the script's line:
+``init``, ``setenv``, ``ddp``, ``loader``, ``sampler``, ``set_epoch``, ``pass`` (one pass over a
+DataLoader or DistributedSampler: indices, grad mode, steps fed), ``step`` (parameter checksums),
+``save``, ``device``, ``collectives`` (all, in order). It ends the script with status 0: all
+ranks stop at the step a stop file names (a few steps into epoch 2, or at a time bound); a
+watchdog ends a rank blocked in a collective. Standard library and torch only.
 """
 
 from __future__ import annotations
@@ -46,7 +42,6 @@ ORDERED = COLLECTIVES + tuple(
     "monitored_barrier".split()
 )
 MAX_SEQUENCE = 20_000  # collectives kept per rank, in order
-# What DistributedDataParallel issues for the script, as the sequence names it.
 DDP_INIT = "DDP's parameter broadcast (wrapping the model)"
 DDP_BUFFERS = "DDP's buffer broadcast (forward)"
 DDP_GRADIENTS = "DDP's gradient all-reduce (backward)"
@@ -118,7 +113,6 @@ class _Pass:
 
 
 def _read(path: str, parse):
-    """The file's text parsed, or None where it is missing or unreadable."""
     try:
         with open(path) as f:
             return parse(f.read())
@@ -134,8 +128,7 @@ class _Observer:
         self.t0 = time.monotonic()
         self.lock = threading.RLock()
         self.file = open(self.path(f"rank-{self.rank}.jsonl"), "a", buffering=1)
-        # The user's files: the run directory's (the working directory at start); their
-        # paths are relative to it.
+        # The user's files: the run directory's (the working directory at start).
         self.user_dir = os.path.realpath(os.getcwd()) + os.sep
         self.user_files: dict[str, str | None] = {}
         self.ids: dict[str, int] = {}
@@ -196,8 +189,6 @@ class _Observer:
         obj.__dict__["_ddpnb_id"] = f"{prefix}{self.ids[prefix]}"
         return obj.__dict__["_ddpnb_id"]
 
-    # -- passes ---------------------------------------------------------------------------
-
     def open_pass(self, source: str, obj_id: str) -> _Pass:
         with self.lock:
             previous = self.open_passes.pop(obj_id, None)
@@ -216,12 +207,8 @@ class _Observer:
                 p.written = True
 
     def train_pass_ended(self, p: _Pass) -> None:
-        """At the end of a training epoch, wait briefly for every rank to end the same one.
-
-        A rank whose epoch is longer is blocked in DDP's all-reduce for a step its peers never
-        take; its peers would then start collectives that do not match (gloo aborts, NCCL
-        hangs). Comparing the step counts through files first ends every rank cleanly instead.
-        """
+        """At the end of a training epoch, wait briefly for every rank to end the same one:
+        uneven epochs would block a rank in DDP's all-reduce while peers start other collectives."""
         if p.id not in self.train_passes:
             return
         epoch = self.train_passes.index(p.id) + 1
@@ -243,8 +230,6 @@ class _Observer:
             self.write({"kind": "epoch_mismatch", "epoch": epoch, "counts": counts})
             self.request_stop(None, f"ranks' epoch {epoch} differ in length")
             self.end(f"stopped at the end of epoch {epoch}: the ranks' epochs differ in length")
-
-    # -- steps and the stop ----------------------------------------------------------------
 
     def after_step(self, optimizer) -> None:
         self.steps += 1
@@ -359,7 +344,6 @@ class _Observer:
         return digest.hexdigest()[:16]
 
     def install(self, torch) -> None:
-        """Hook torch (once the script imported it); a failure leaves the script as it was."""
         self.torch = torch
         hooks = (_hook_init, _hook_ddp, _hook_loader, _hook_sampler, _hook_steps, _hook_save)
         for hook in (*hooks, _hook_collectives, _hook_spawn, _hook_devices):
@@ -367,9 +351,6 @@ class _Observer:
                 hook(self, torch)
             except Exception as e:  # an older or newer torch: observe what can be observed
                 self.write({"kind": "observe_error", "hook": hook.__name__, "error": repr(e)})
-
-
-# -- hooks: each replaces a torch function with one that records, then calls it ---------------
 
 
 def _patch(owner, name: str):

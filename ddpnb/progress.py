@@ -53,8 +53,7 @@ STATUS_COLORS = {
 # The hang watch's verdicts as the panel shows them: (label, border colour).
 WAITING_STYLE = {"hang": ("The run hangs", "#d33682"), "slow": ("Slow phase", "#b58900")}
 
-# A PNG cannot follow JupyterLab's theme: in a dark theme invert it (keeping the hues), so
-# the plot shows light lines on dark grey like the rest of the panel, not a white block.
+# A PNG cannot follow JupyterLab's theme: in a dark theme invert it (hues kept), not a white block.
 DARK_THEME_CSS = (
     "<style>body[data-jp-theme-light='false'] .ddpnb-plot"
     " { filter: invert(0.87) hue-rotate(180deg); }</style>"
@@ -75,13 +74,8 @@ def _program(argv: list[str]) -> str:
 
 
 def is_jupyter_server(argv: list[str]) -> bool:
-    """True for the command line of a Jupyter server (lab, notebook, hub), not of a runner.
+    """True for a Jupyter server's command line (lab, notebook, hub), by program name only.
 
-    Only the program's name counts: a path such as /home/jupyter/... in a papermill or
-    pytest command line says nothing about who displays the kernel's output.
-
-    >>> is_jupyter_server(["/venv/bin/python", "/venv/bin/jupyter-lab", "--ip=127.0.0.1"])
-    True
     >>> is_jupyter_server(["python", "-m", "papermill", "/home/jupyter/nb.ipynb", "out.ipynb"])
     False
     """
@@ -126,8 +120,7 @@ class NoProgress:
         pass
 
 
-# How an epoch row's numbers print, in this order; a script may report any of them.
-EPOCH_FIELDS = (
+EPOCH_FIELDS = (  # how an epoch row's numbers print, in order; a script may report any
     ("train_loss", "train_loss {:.4f}"),
     ("train_acc", "train_acc {:.3f}"),
     ("val_loss", "val_loss {:.4f}"),
@@ -278,12 +271,8 @@ class WidgetProgress:
             self.waiting.value = html
 
     def _say_busy(self) -> None:
-        """Tell JupyterLab again that this cell's kernel is busy (at most once a second).
-
-        JupyterLab sends the panel's widget messages through a kernel subshell, and the
-        subshell reports itself idle after each one: the status bar then reads "Idle" while
-        this cell still runs. A status message for the running cell puts it right.
-        """
+        """Tell JupyterLab again that the cell is busy (at most once a second): the widgets'
+        kernel subshell reports idle after each message, while the cell still runs."""
         now = time.monotonic()
         if now - self.busy_said < 1.0:
             return
@@ -324,8 +313,7 @@ class WidgetProgress:
 
         fig = Figure(figsize=(7.2, 2.6), layout="constrained")
         ax_loss, ax_acc = fig.subplots(1, 2)
-        # Markers on both: after the first epoch a line alone would show nothing. A script
-        # reports what it has: each curve is drawn from the epochs that hold its number.
+        # Markers: one epoch makes no line. Each curve uses the epochs that hold its number.
         for ax, key, style, label in (
             (ax_loss, "train_loss", "--o", "train"),
             (ax_loss, "val_loss", "-o", "val"),

@@ -1,10 +1,7 @@
-"""Check a DDP script for the classic mistakes by running it briefly: ``check_script``.
+"""``check_script``: run a DDP script briefly on simulated nodes and name its classic mistakes.
 
-The script runs unchanged on simulated nodes (``ddpnb.launch``) with ``ddpnb.observe`` loaded
-into every worker, which records what each rank did and ends the script a few optimizer steps
-into its second epoch. This module reads the records and names each mistake with the script's
-line, what was measured, why it matters and the fix. A finding needs evidence from the run:
-what could not be observed is listed as not checked, never guessed.
+``ddpnb.observe`` records what each rank did; each finding names the script's line, what was
+measured, why it matters and the fix. What the run could not show is listed as not checked.
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ TITLES = {
     9: "Ranks call different collectives (the run hangs)",
     10: "The script starts its own ranks under torchrun (mp.spawn)",
 }
-# Why each mistake matters, where that does not depend on what the run showed.
 WHY = {
     2: "DistributedSampler shuffles with seed + epoch: with the same epoch every epoch "
     "repeats epoch 1's order and each rank sees the same shard forever, which hurts "
@@ -102,10 +98,8 @@ NOWHERE = "(not in the script's files)"
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """Mistake ``number`` (``TITLES``) at ``where`` (``file:line`` in the user's script):
-    ``seen`` what the run measured, ``why`` it matters (default ``WHY``), ``fix`` what to write
-    instead (default ``FIX``). ``source`` is the line's text (a notebook's ``%%writefile`` cell
-    counts its magic line, so the text is what finds the line)."""
+    """Mistake ``number`` at ``where`` (``file:line``); ``source``: that line's text (a
+    ``%%writefile`` cell counts its magic line, so the text is what finds the line)."""
 
     number: int
     where: str
@@ -125,12 +119,7 @@ class Finding:
 
 @dataclasses.dataclass
 class ScriptReport:
-    """What ``check_script`` found: ``findings``, ``facts``, what was ``checked``.
-
-    ``exit_code`` is the CLI's: 0 clean (``ok``), 1 mistakes, 2 the script could not run
-    (``error``: why, with its traceback) or could not be checked (``unchecked``: why, e.g. no
-    optimizer step was observed). ``pids`` are the run's processes (agents, workers), all ended.
-    """
+    """What ``check_script`` found; ``exit_code``: 0 clean, 1 mistakes, 2 error or unchecked."""
 
     script: str
     layout: str
@@ -140,7 +129,7 @@ class ScriptReport:
     ended: str
     error: str | None = None
     seconds: float = 0.0
-    pids: list[int] = dataclasses.field(default_factory=list)
+    pids: list[int] = dataclasses.field(default_factory=list)  # agents, workers: all ended
     unchecked: str | None = None  # why the run showed too little to call the script clean
 
     @property
@@ -217,9 +206,6 @@ class ScriptReport:
         )
 
 
-# -- running the script -------------------------------------------------------------------
-
-
 def check_script(
     script,
     nnodes: int = 2,
@@ -232,13 +218,10 @@ def check_script(
 ) -> ScriptReport:
     """Run a DDP script briefly on simulated nodes and check it for the classic mistakes.
 
-    ``script`` is a :class:`ddpnb.Script` (or the path of a script taking no arguments), not
-    edited, needing nothing of ddpnb; ``nnodes`` x ``nproc_per_node`` the simulated layout.
-    ``run_dir``: where the check runs (``run/`` the script's working directory, ``observe/``
-    the records); default a temporary folder, removed afterwards. The script is ended
-    ``steps`` optimizer steps into its second epoch, or ``seconds`` after its first step, and
-    every worker after ``timeout`` seconds. Raises :class:`~ddpnb.errors.ConfigError` when
-    the script or the layout is invalid (nothing started).
+    ``script``: a :class:`ddpnb.Script` or a script's path (run unedited). ``run_dir``: where the
+    check runs (``run/``, ``observe/``); default a temporary folder, removed afterwards. The
+    script ends ``steps`` optimizer steps into epoch 2 or ``seconds`` after its first step; each
+    worker after ``timeout`` seconds. ConfigError (nothing started): invalid script or layout.
 
     >>> report = check_script(Script("train.py", args=["--epochs", "100"]))  # doctest: +SKIP
     >>> report.ok, [f.title for f in report.findings]                        # doctest: +SKIP
@@ -311,8 +294,6 @@ def _at(where: dict | None) -> str:
 
 
 class _Rank:
-    """One rank's records, indexed."""
-
     def __init__(self, records: list[dict]) -> None:
         self.kinds: dict[str, list[dict]] = defaultdict(list)
         for r in records:
@@ -363,8 +344,7 @@ class _Rank:
 
 
 def _common(ranks: list[_Rank], passes: list[dict]) -> tuple[list[list[int]], int | None] | None:
-    """The passes' indices at the first dataset level every rank shares, and that level's size
-    (a rank's own shard, ``Subset(val, range(rank, n, world))``, is not: the set inside it is)."""
+    """The passes' indices and size at the first dataset level every rank shares (not a shard)."""
     levels = [r.levels(p) for r, p in zip(ranks, passes)]
     layers = [r.layers(p) for r, p in zip(ranks, passes)]
     if any(lv is None for lv in levels):
@@ -387,7 +367,7 @@ def analyse(
     error: str | None = None,
     hung: RunHung | None = None,
 ) -> ScriptReport:
-    """The report of one observed run (``records``: :func:`load_records`; ``hung``: its hang)."""
+    """The report of one observed run (``records``: :func:`load_records`)."""
     ranks = [_Rank(r) for r in records.values() if any(x["kind"] == "start" for x in r)]
     world = nnodes * nproc_per_node
     layout = f"{nnodes} node(s) x {nproc_per_node} process(es)"
@@ -710,9 +690,6 @@ def _devices(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     return [Finding(8, _at(d.get("where")), seen)]
 
 
-# -- 7: the rendezvous ----------------------------------------------------------------------
-
-
 def _rendezvous(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """7: init_method / MASTER_ADDR on loopback; rank or world size not torchrun's."""
     found = {(f.where, f.seen): f for r in ranks for f in _rendezvous_findings(r, run_dir)}
@@ -778,7 +755,6 @@ def _rendezvous_findings(rank: _Rank, run_dir: Path):
 
 
 def _tree(run_dir: Path, where: dict | None) -> ast.AST:
-    """The parsed file of the user's ``where`` (an empty module where there is none)."""
     try:
         return ast.parse((run_dir / where["file"]).read_text())
     except (OSError, SyntaxError, ValueError, TypeError):
@@ -806,12 +782,8 @@ def _literal_args(run_dir: Path, where: dict | None) -> dict[str, object]:
     return {}
 
 
-# -- 9: collectives that do not pair up; 10: torch.multiprocessing.spawn -------------------
-
-
 def _stall(ranks: list[_Rank], hung: RunHung | None) -> list:
-    """9: the run stopped moving with ranks waiting in collectives (the hang watch, or a rank
-    the check's own stop could not reach)."""
+    """9: the run stopped moving with ranks waiting in collectives."""
     from .hang import Frame, RankState
 
     if hung is not None and hung.stacks is not None:
@@ -869,7 +841,6 @@ def _collectives(ranks: list[_Rank], world: int, run_dir: Path) -> list:
 
 
 def _line_text(run_dir: Path, at: str) -> str:
-    """The text of line ``file:line`` of the script's files ("" where there is none)."""
     name, _, line = at.rpartition(":")
     try:
         return (run_dir / name).read_text().splitlines()[int(line) - 1].strip()
@@ -894,8 +865,7 @@ def _spawn(ranks: list[_Rank], world: int, run_dir: Path) -> list:
 
 
 def _sets_rendezvous(run_dir: Path, where: dict | None) -> list[str]:
-    """``file:line`` of each write of MASTER_ADDR / MASTER_PORT in the file that spawns:
-    ``os.environ[KEY] = ...``, ``os.environ.setdefault(KEY, ...)``, ``os.putenv(KEY, ...)``."""
+    """``file:line`` of each write of MASTER_ADDR / MASTER_PORT in the file that spawns."""
     lines = set()
     for node in ast.walk(_tree(run_dir, where)):
         if isinstance(node, ast.Assign):
@@ -910,9 +880,6 @@ def _sets_rendezvous(run_dir: Path, where: dict | None) -> list[str]:
                 if key.value in ("MASTER_ADDR", "MASTER_PORT"):
                     lines.add(node.lineno)
     return [f"{where['file']}:{n}" for n in sorted(lines)]
-
-
-# -- the command line -------------------------------------------------------------------------
 
 
 def _parse_args(argv: list[str]):
@@ -936,8 +903,7 @@ def _parse_args(argv: list[str]):
 
 
 def main_check_script(argv: list[str]) -> int:
-    """``ddpnb check-script [--nnodes N] [--nproc-per-node P] [--file PATH]... SCRIPT [ARGS...]``:
-    options first, then the script; every word after the script is the script's."""
+    """``ddpnb check-script [OPTIONS] SCRIPT [ARGS...]``: words after SCRIPT are the script's."""
     try:
         script, kwargs = _parse_args(argv)
         report = check_script(script, **kwargs)

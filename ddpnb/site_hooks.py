@@ -1,10 +1,7 @@
 """Written by ddpnb as RUN_DIR/.ddpnb/sitecustomize.py: its hooks, then any other sitecustomize.
 
-Python imports ``sitecustomize`` from ``PYTHONPATH`` at start-up; ddpnb puts this folder there
-for every worker of a run. It activates ``ddpnb_watch`` (where each rank is: always) and
-``ddpnb_observe`` (what the script does: under ``ddpnb check-script``), each doing nothing
-unless its variable is set, and calls their ``install`` (in the main thread) once the script
-imports torch. Then the next ``sitecustomize`` on the path runs. Nothing here may stop the script.
+Activates ``ddpnb_watch`` and ``ddpnb_observe`` (each idle unless its variable is set) and calls
+their ``install`` once the script imports torch. Nothing here may stop the script.
 """
 
 import importlib

@@ -1,8 +1,4 @@
-"""Papermill batch runs: one notebook over a grid of parameters, gathered in one table.
-
-``ddpnb.sweep(notebook, out_dir, grid=..., parameters=...)`` or
-``ddpnb sweep NOTEBOOK --out DIR [-p NAME VALUE]... [-g NAME V1,V2,...]...``
-"""
+"""Papermill batch runs: one notebook over a grid of parameters, gathered in one table."""
 
 from __future__ import annotations
 
@@ -39,8 +35,7 @@ MAX_NAME = 100  # characters of a point's name (file names stay well under 255 b
 
 
 def resolve_type(text: str) -> Any:
-    """A ``-p`` value as papermill's CLI reads it: True, False, None, an int, a float, or
-    the text itself (papermill's own function, so the two never disagree).
+    """A ``-p`` value as papermill's CLI reads it (with papermill's own function).
 
     >>> [resolve_type(t) for t in ("32", "0.1", "None", "True", "resnet18")]
     [32, 0.1, None, True, 'resnet18']
@@ -66,9 +61,6 @@ def parse_axis(name: str, text: str) -> list[Any]:
     return [resolve_type(item) for item in items]
 
 
-# -- the plan: every point, checked before anything runs --------------------------------
-
-
 def _text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -82,14 +74,12 @@ def _shortened(name: str, raw: str) -> str:
 
 
 def _safe(text: str) -> str:
-    """``text`` as a file name: letters, digits and ``._+=,-`` kept, the rest ``_``."""
     name = re.sub(r"[^A-Za-z0-9._+=,-]", "_", text).lstrip(".") or "point"
     return _shortened(name, text) if len(name) > MAX_NAME else name
 
 
 def point_names(points: Sequence[Mapping[str, Any]], default: str) -> list[str]:
-    """A readable, file-system-safe, distinct name per point; ``default`` names the one point
-    of a sweep without a grid.
+    """A readable, file-system-safe, distinct name per point (``default`` without a grid).
 
     >>> point_names([{"batch_size": 32, "data_dir": "/data/a b"}], "nb")
     ['batch_size=32,data_dir=_data_a_b']
@@ -103,8 +93,7 @@ def point_names(points: Sequence[Mapping[str, Any]], default: str) -> list[str]:
 
 
 class Point:
-    """One point of a sweep: its name, grid values, every parameter it runs with, and
-    where its notebook, its runs and its record go."""
+    """One point of a sweep: its values, parameters, and where its outputs go."""
 
     def __init__(self, name: str, values: dict, parameters: dict, out_dir: Path, cwd: Path):
         self.name, self.values, self.parameters, self.cwd = name, values, parameters, cwd
@@ -113,7 +102,7 @@ class Point:
         self.record_path = out_dir / STATE / f"{name}.json"
 
     def run_dirs(self) -> list[Path]:
-        """The run directories (with a ``metrics.jsonl``) of its ``run_dir`` or ``run_root``."""
+        """The run directories (with a ``metrics.jsonl``) of ``run_dir`` or ``run_root``."""
         found = []
         for name in RUN_DIR_PARAMETERS:
             value = self.parameters.get(name)
@@ -151,8 +140,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def notebook_parameters(notebook: Path) -> dict[str, Any]:
-    """The names in the notebook's cell tagged ``parameters``, each with its default
-    (``None`` where the default is not a plain literal)."""
+    """The ``parameters`` cell's names and defaults (``None`` where not a plain literal)."""
     import papermill
 
     try:
@@ -279,7 +267,6 @@ def _check_existing(points: list[Point], notebook: Path) -> None:
 
 
 def _differences(record: dict, notebook: Path, point: Point) -> list[str]:
-    """What differs between a point's record and how this sweep would run it."""
     changed = []
     if record.get("notebook") != str(notebook):
         changed.append(f"notebook {record.get('notebook')} then, {notebook} now")
@@ -291,9 +278,6 @@ def _differences(record: dict, notebook: Path, point: Point) -> list[str]:
             before, after = (repr(d[name]) if name in d else "unset" for d in (then, now))
             changed.append(f"{name} {before} then, {after} now")
     return changed
-
-
-# -- running one point ---------------------------------------------------------------------
 
 
 def _recording_kernel_manager(seen: list):
@@ -321,10 +305,7 @@ def _signal_kernels(managers: list, sig: int, skip: set[int] = frozenset()) -> s
 
 
 def _stop_point(managers: list, finished: threading.Event, grace: float) -> None:
-    """Ctrl-C during a point: interrupt its kernel (the cell raises KeyboardInterrupt, and a
-    ddpnb run in it stops its processes, as the notebook's stop button does), give it
-    ``grace`` seconds, then kill the kernel's process group; a ddpnb run whose kernel is
-    killed ends through its lifeline. A second Ctrl-C kills at once."""
+    """Interrupt the kernel (a ddpnb run in it stops); kill it after ``grace`` s or a 2nd Ctrl-C."""
     interrupted: set[int] = set()
     deadline = time.monotonic() + grace
     try:
@@ -349,8 +330,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _execute(point: Point, source: Path, timeout: float | None, kernel_name: str | None) -> str:
-    """Run the point's notebook with papermill in a thread (so that Ctrl-C reaches this one
-    and stops the kernel); ``""`` when it finished, else the error's first line."""
+    """Run the point's notebook in a thread (Ctrl-C reaches this one); ``""`` or the error."""
     import papermill
 
     managers: list = []
@@ -386,7 +366,7 @@ def _execute(point: Point, source: Path, timeout: float | None, kernel_name: str
 
 
 def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: str | None) -> str:
-    """Run one point (its folder cleared first), recording its state as it goes; its status."""
+    """Run one point (its folder cleared first), recording its state as it goes."""
     if point.folder.is_dir() and point.record():  # ours: a failed or redone point's runs
         shutil.rmtree(point.folder)
     point.folder.mkdir(parents=True, exist_ok=True)
@@ -401,16 +381,8 @@ def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: s
     return status
 
 
-# -- the table ---------------------------------------------------------------------------
-
-
 class SweepResult(Table):
-    """The sweep's table, one row per point as in ``summary.csv`` (its parameters,
-    ``status``, ``wall_s``, the final ``METRICS``, the ``error``'s first line, ``notebook``).
-
-    Also ``axes`` (the grid's names), ``fixed`` (the parameters every point shares), ``runs``
-    (each point's run directories), ``summary`` and ``figure`` (``None`` without curves).
-    """
+    """The sweep's table, one row per point as in ``summary.csv``; ``figure``: ``curves.png``."""
 
     def __init__(self, rows, out_dir: Path, axes: list[str], fixed: dict, runs: dict):
         super().__init__(rows)
@@ -423,7 +395,6 @@ class SweepResult(Table):
         return all(row["status"] in ("done", "skipped") for row in self)
 
     def shown(self) -> list[dict]:
-        """The rows as displayed: point, the grid's values, status, time and metrics."""
         keys = ["point", *self.axes, "status", "wall_s", *METRICS]
         return [{k: row.get(k, "") for k in keys} for row in self]
 
@@ -447,8 +418,7 @@ class SweepResult(Table):
         )
 
     def curves(self):
-        """Every point's loss and accuracy curves in one matplotlib Figure (as in
-        ``curves.png``); ``None`` while no run has metrics."""
+        """Every point's curves in one matplotlib Figure; ``None`` while no run has metrics."""
         return plot_points(self.runs)
 
 
@@ -461,8 +431,7 @@ def _shown(path: Path) -> str:
 
 
 def plot_points(runs: Mapping[str, Sequence[Path]]):
-    """The curves of every point's run directories in one Figure, each labelled with its
-    point's name (``point/run`` for a point with several); ``None`` when there are none."""
+    """Every point's run curves in one Figure, labelled by point; ``None`` when there are none."""
     from .plot import plot_curves
 
     dirs = [path for paths in runs.values() for path in paths]
@@ -475,7 +444,6 @@ def plot_points(runs: Mapping[str, Sequence[Path]]):
 
 
 def _row(point: Point, status: str) -> dict:
-    """A point's row: its parameters, status, wall time and its run's final metrics."""
     record = point.record()
     row: dict[str, Any] = {"point": point.name}
     for name, value in point.parameters.items():
@@ -494,7 +462,7 @@ def _row(point: Point, status: str) -> dict:
 
 
 def write_summary(rows: list[dict], path: Path) -> None:
-    """The rows as CSV (written to a temporary file, then moved into place)."""
+    """The rows as CSV, written atomically."""
     text = io.StringIO()
     writer = csv.DictWriter(text, list(dict.fromkeys(k for row in rows for k in row)))
     writer.writeheader()
@@ -503,8 +471,7 @@ def write_summary(rows: list[dict], path: Path) -> None:
 
 
 def _gather(points: list[Point], statuses: dict[str, str], grid: Mapping, fixed: Mapping):
-    """The table as it stands, written to summary.csv. A point not reached in this sweep
-    reads "done" when an earlier one did it, else "not run"."""
+    """The table as it stands, written to summary.csv (unreached points: "done" or "not run")."""
     rows = [_row(p, statuses.get(p.name) or ("done" if p.is_done() else "not run")) for p in points]
     out_dir = points[0].notebook.parent
     write_summary(rows, out_dir / "summary.csv")
@@ -519,9 +486,6 @@ def _draw(result: SweepResult) -> SweepResult:
         result.figure = result.out_dir / "curves.png"
         fig.savefig(result.figure, dpi=110)
     return result
-
-
-# -- the sweep -----------------------------------------------------------------------------
 
 
 def _say(point: Point, index: int, total: int, status: str) -> None:
@@ -551,25 +515,16 @@ def sweep(
 ) -> SweepResult:
     """Run ``notebook`` with papermill once per point of ``grid``; gather one table.
 
-    ``grid`` (``{name: [values...]}``) spans the points, ``parameters`` hold for every one;
-    the notebook's cell tagged ``parameters`` names what may be set. A point named
-    ``batch_size=32,lr=0.1`` (the notebook's name without a grid) runs into
-    ``out_dir/<point>.ipynb`` and ``out_dir/<point>/``: a notebook parameter ``run_dir`` or
-    ``run_root`` not given becomes ``out_dir/<point>/<the default's last part>``. Then
-    ``out_dir/summary.csv`` (rewritten after each point) and ``curves.png``;
-    ``out_dir/.ddpnb/<point>.json`` records each point, so a rerun skips the points done.
+    ``grid`` (``{name: [values...]}``) spans the points; ``parameters`` hold for every one.
+    A point such as ``batch_size=32,lr=0.1`` runs into ``out_dir/<point>.ipynb`` and
+    ``out_dir/<point>/`` (where ``run_dir`` or ``run_root`` point when not given).
+    ``overwrite``: redo the points done (a rerun skips them; failed ones rerun anyway) and
+    replace outputs a sweep did not write. ``timeout``: seconds per cell (``None``: no limit).
+    ``cwd``: the folder the notebooks run in, so relative paths mean what they mean here.
 
-    ``overwrite``: redo the points done (and replace outputs a sweep did not write); a
-    failed or interrupted point runs again anyway. ``timeout``: seconds each cell may run
-    (``None``: no limit). ``cwd``: the folder the notebooks run in (default: the current
-    one), so relative paths in the parameters mean what they mean here.
+    A failed point does not stop the others (``result.ok``); ``summary.csv`` is rewritten after
+    each. ConfigError comes before anything runs; Ctrl-C stops the running point, keeps the rest.
 
-    A failed point does not stop the others (``result.ok``). ConfigError comes before
-    anything runs; Ctrl-C stops the running point (its kernel interrupted, then killed,
-    with any ddpnb run in it) and keeps the finished points and the table.
-
-    Example
-    -------
     >>> r = sweep("notebooks/02_single_node_baseline.ipynb", "runs/sweep",      # doctest: +SKIP
     ...           grid={"batch_size": [32, 64]}, parameters={"epochs": 2})
     >>> r.ok, r[0]["val_acc"]                                                    # doctest: +SKIP
@@ -590,7 +545,7 @@ def sweep(
                 statuses[point.name] = _run_point(point, source, timeout, kernel_name)
             except KeyboardInterrupt:
                 statuses[point.name] = "interrupted"
-                _gather(points, statuses, grid, parameters)  # the table as it stands
+                _gather(points, statuses, grid, parameters)
                 raise
         _say(point, i, len(points), statuses[point.name])
         result = _draw(_gather(points, statuses, grid, parameters))

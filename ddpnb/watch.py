@@ -1,13 +1,9 @@
 """Where this rank is: its Python stack, written every few seconds, from inside the worker.
 
-Copied into every run as ``RUN_DIR/.ddpnb/ddpnb_watch.py`` and loaded into each worker by
-the ``sitecustomize.py`` beside it (``PYTHONPATH`` names the folder). A daemon thread writes
-``$DDPNB_WATCH/rank-<RANK>.json`` every ``$DDPNB_WATCH_INTERVAL`` seconds: the main thread's
-stack (``sys._current_frames`` reads it while that thread waits inside gloo or NCCL, which
-release Python's lock), how long that stack has stayed the same, and the optimizer steps
-taken. No ptrace, no signal, no edit of the script, so it works wherever the worker runs;
-one small file every 2 s costs nothing measurable (bench/hang_watch.py measures it).
-``ddpnb.hang`` reads the files. Standard library only: torch is touched only by ``install``.
+Loaded into each worker as ``RUN_DIR/.ddpnb/ddpnb_watch.py`` by the ``sitecustomize.py`` beside
+it. A daemon thread writes ``$DDPNB_WATCH/rank-<RANK>.json``: the main thread's stack (readable
+while gloo or NCCL wait, as they release the GIL), how long it stayed the same, and the steps
+taken. No ptrace, no signal; no measurable cost (bench/hang_watch.py). ``ddpnb.hang`` reads it.
 """
 
 from __future__ import annotations
@@ -54,8 +50,6 @@ def install(torch) -> None:
 
 
 class _Watch:
-    """This rank's snapshots."""
-
     def __init__(self, folder: str, interval: float) -> None:
         self.path = os.path.join(folder, f"rank-{os.environ['RANK']}.json")
         self.interval = interval
