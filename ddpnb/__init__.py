@@ -1,8 +1,4 @@
-"""ddpnb: from one process to multi-node DistributedDataParallel, from a notebook.
-
-``import ddpnb`` is light: everything but the plots imports only the standard library
-(torch is imported where a check needs it), so ``ddpnb check`` answers at once.
-"""
+"""ddpnb: from one process to multi-node DistributedDataParallel, from a notebook."""
 
 from __future__ import annotations
 
@@ -46,8 +42,7 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-# Loaded on first use, so that ``import ddpnb`` stays light: the plots (matplotlib), the
-# SSH and Slurm backends, the script check.
+# Loaded on first use, so that ``import ddpnb`` stays light.
 _LAZY = {
     "plot_curves": "plot",
     "plot_scaling": "plot",
@@ -76,7 +71,7 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs; never runs
+if TYPE_CHECKING:
     from .cluster import node_commands
     from .plot import plot_curves, plot_scaling, plot_throughput
     from .remote import check_hosts, ssh_commands

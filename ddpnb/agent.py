@@ -1,19 +1,8 @@
 """torchrun, with the rendezvous store of simulated nodes reachable from this host only.
 
-torchrun's rendezvous (static or c10d) starts a TCPStore on node 0 that listens on
-every interface. The store has no authentication: anyone who can reach the port can
-join or disturb the run. When the rendezvous address is a loopback address (all
-nodes on this machine) this script binds the store's socket to that address before
-torchrun starts it, then runs torchrun unchanged. Any other address (real nodes)
-runs plain torchrun: the store must be reachable over the network, which should be
-a trusted one.
-
-The agent also watches a lifeline: the read end of a pipe whose write end only the
-launcher (the notebook kernel or the CLI) holds. When the launcher ends, however it
-ends, the pipe reports EOF and the agent stops its workers and itself.
-
-``python agent.py <torchrun options> train_ddp.py --config config.json``; run as a
-script by path (not ``-m ddpnb.agent``), so the agent process imports torch only.
+torchrun's TCPStore listens on every interface, unauthenticated: for a loopback rendezvous
+address the agent binds it there first. It also stops its workers when the launcher's lifeline
+pipe closes. Run by path (``python agent.py <torchrun options> SCRIPT``): it imports torch only.
 """
 
 from __future__ import annotations
@@ -34,9 +23,6 @@ _held: list[socket.socket] = []  # listening sockets handed to the store: keep t
 
 def is_loopback(host: str) -> bool:
     """True if ``host`` names this machine only: a loopback IP, or a name resolving to loopback.
-
-    The one predicate the launcher and the agent share (``localhost``, ``127.0.0.0/8``,
-    ``::1``, and names such as ``ip6-localhost`` whose every address is loopback).
 
     >>> is_loopback("localhost"), is_loopback("127.0.0.2"), is_loopback("10.0.0.1")
     (True, True, False)
@@ -87,10 +73,7 @@ def loopback_master_addr(argv: list[str]) -> str | None:
 def watch_lifeline(fd: int, grace: float = LIFELINE_GRACE_SECONDS) -> threading.Thread:
     """End this agent and its workers when the launcher's end of pipe ``fd`` closes.
 
-    Only the launcher holds the write end, so the read returns EOF however the
-    launcher ends (exit, crash, SIGKILL, kernel restart): no cleanup code of its
-    has to run. SIGTERM lets torchrun stop its workers; if they are not gone within
-    ``grace`` seconds they and the agent are killed.
+    EOF comes however the launcher ends (even SIGKILL); ``grace``: seconds from SIGTERM to SIGKILL.
     """
 
     def watch() -> None:

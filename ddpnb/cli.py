@@ -94,8 +94,7 @@ def _seconds_or_off(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"a number of seconds, or 'off', not {text!r}") from None
 
 
-# Keywords of launch(), submit_slurm() and check_hosts() as options: name: (kind, help). Only
-# the options given are passed, so every default stays the function's own (the help says it).
+# Keywords of launch() and co. as name: (kind, help); passed only if given: defaults stay theirs.
 N = {"type": int, "metavar": "N"}
 TEXT: dict[str, Any] = {}
 SWITCH = {"action": "store_true"}
@@ -153,13 +152,11 @@ def _flags(name: str) -> tuple[str, ...]:
 
 
 def _options(group, table: dict) -> None:
-    """One option per entry of ``table``, absent from the namespace unless given."""
     for name, (kind, help_) in table.items():
         group.add_argument(*_flags(name), dest=name, default=argparse.SUPPRESS, help=help_, **kind)
 
 
 def _given(args: argparse.Namespace, table: dict) -> dict[str, Any]:
-    """The options of ``table`` given on the command line, as keyword arguments."""
     return {name: getattr(args, name) for name in table if hasattr(args, name)}
 
 
@@ -170,7 +167,6 @@ def launch_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _launch_kwargs(args: argparse.Namespace, default_nnodes: int | None = None) -> dict:
-    """The keywords of launch() from a command line made by launch_options()."""
     kwargs = _given(args, LAUNCH | HOSTS)
     if "env" in kwargs:
         env = {}
@@ -185,11 +181,7 @@ def _launch_kwargs(args: argparse.Namespace, default_nnodes: int | None = None) 
     return kwargs
 
 
-# -- the parser -------------------------------------------------------------------------------
-
-
 def _command(sub, name: str, handler, **kwargs: Any) -> argparse.ArgumentParser:
-    """The subcommand ``name``, run by ``handler(args)``."""
     parser = sub.add_parser(name, help=COMMANDS[name], description=DESCRIPTIONS.get(name), **kwargs)
     parser.set_defaults(handler=handler)
     return parser
@@ -288,9 +280,6 @@ def _sweep_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", help="the Jupyter kernel (default: the notebook's own)")
 
 
-# -- TrainConfig fields as options ------------------------------------------------------------
-
-
 def _optional(tp: Any) -> tuple[Any, bool]:
     """(X, True) for ``X | None``; (tp, False) otherwise."""
     args = typing.get_args(tp)
@@ -298,7 +287,6 @@ def _optional(tp: Any) -> tuple[Any, bool]:
 
 
 def _config_options(parser: argparse.ArgumentParser) -> None:
-    """One option per TrainConfig field, its kind read from the field's type."""
     group = parser.add_argument_group("training (TrainConfig fields)")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -316,8 +304,7 @@ def _config_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _convert(name: str, tp: Any, raw: Any) -> Any:
-    """A command-line string as the field's type; left as is when it does not parse,
-    so that TrainConfig rejects it with the same message as the Python API."""
+    """A command-line string as the field's type; unparsed, left for TrainConfig to reject."""
     tp, optional = _optional(tp)
     if optional and raw.strip().lower() == "none":
         return None
@@ -336,8 +323,7 @@ def _convert(name: str, tp: Any, raw: Any) -> Any:
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig of a ``ddpnb train`` command line: ``--config`` (or the defaults),
-    then the options given. Raises ConfigError exactly as ``TrainConfig(...)`` does."""
+    """The TrainConfig of a ``ddpnb train`` line: ``--config`` (or defaults), then the options."""
     hints = typing.get_type_hints(TrainConfig)
     given = {k[len(_FIELD_DEST) :]: v for k, v in vars(args).items() if k.startswith(_FIELD_DEST)}
     changes = {k: _convert(k, hints[k], v) for k, v in given.items()}
@@ -346,9 +332,6 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if "data_dir" not in changes:
         raise ConfigError("--data is required (the ImageFolder with train/ and val/), or --config.")
     return TrainConfig(**changes)
-
-
-# -- stopping on SIGTERM / SIGHUP -------------------------------------------------------------
 
 
 class StoppedBySignal(KeyboardInterrupt):
@@ -388,8 +371,7 @@ class _StopSignals:
             raise StoppedBySignal(self.received) from exc  # e.g. a write to a closed terminal
 
 
-# -- the commands: each returns the exit status -----------------------------------------------
-# Those that start processes stop them all on Ctrl-C, SIGTERM or SIGHUP (see main).
+# Each command returns the exit status; those that start processes stop them all on a signal.
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -530,9 +512,6 @@ def _slurm(args: argparse.Namespace) -> int:
 def _run_config(run_dir: str) -> TrainConfig:
     path = Path(run_dir) / "config.json"
     return TrainConfig.load(path) if path.exists() else TrainConfig()
-
-
-# -- entry point ------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:

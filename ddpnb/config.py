@@ -1,8 +1,6 @@
 """The one training configuration, its defaults and its validation.
 
-Every default lives in :class:`TrainConfig`. The worker script never imports this
-module (it must run with torch alone on a cluster node); it reads the
-``config.json`` that :meth:`TrainConfig.save` writes.
+The worker never imports this module (it runs with torch alone): it reads ``config.json``.
 """
 
 from __future__ import annotations
@@ -21,10 +19,7 @@ Backend = Literal["auto", "gloo", "nccl"]
 Augment = Literal["auto", "digits", "photo", "none"]
 CommHook = Literal["auto", "shm", "none", "bf16", "fp16"]
 LrSchedule = Literal["cosine", "constant"]
-# Fields of earlier versions, dropped when an old config.json is loaded (its run still
-# loads and resumes): the pipeline switch (the worker now decides by the data's size,
-# visibly in make_data) and notebook 06's pitfall switches, whose lessons are now
-# variants of the worker script (ddpnb.pitfalls).
+# Fields of earlier versions, dropped when an old config.json loads (its run still resumes).
 RETIRED_KEYS = (
     "pipeline",
     "distributed_sampler",
@@ -38,8 +33,6 @@ RETIRED_KEYS = (
 def check_int(name: str, value: object, low: int = 1, high: int | None = None) -> int:
     """``value`` if it is an int in ``low..high``, else a ConfigError naming ``name``.
 
-    The one integer check of the package (config fields, launch arguments, ports).
-
     >>> check_int("nnodes", 2)
     2
     """
@@ -51,20 +44,15 @@ def check_int(name: str, value: object, low: int = 1, high: int | None = None) -
 
 
 def _default_num_workers() -> int:
-    # DataLoader workers compete with compute for the same cores: on a small host the
-    # batches are made in the training process, only big hosts get a few workers.
+    # DataLoader workers compete with compute for the cores: only big hosts get a few.
     cores = os.cpu_count() or 1
     return 0 if cores <= 4 else min(4, cores // 4)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything the worker needs to train, with the defaults in one place.
+    """All the worker needs to train, with the defaults; bad values raise :class:`ConfigError`.
 
-    Unknown keys, wrong types and out-of-range values raise :class:`ConfigError`.
-
-    Example
-    -------
     >>> cfg = TrainConfig(data_dir="data/digits", epochs=2)
     >>> TrainConfig.from_dict(cfg.to_dict()) == cfg
     True
@@ -98,9 +86,8 @@ class TrainConfig:
     #: Intra-op threads per process on CPU; 0 splits the host's cores over its processes.
     threads: int = 0
     bucket_cap_mb: int = 25
-    #: How DDP averages gradients. ``shm``: through shared memory, for ranks on one host
-    #: (gloo only); ``none``: the backend's plain all-reduce; ``bf16``/``fp16``: compressed.
-    #: ``auto`` takes ``shm`` when every rank shares this host's /dev/shm, else ``none``.
+    #: How DDP averages gradients: ``shm`` (shared memory, ranks on one host, gloo), ``none``
+    #: (plain all-reduce), ``bf16``/``fp16`` (compressed); ``auto``: ``shm`` if all share /dev/shm.
     comm_hook: CommHook = "auto"
     channels_last: bool = False
 
@@ -129,8 +116,6 @@ class TrainConfig:
             raise ConfigError(
                 "model must name a torchvision classification model, e.g. 'resnet18'."
             )
-
-    # -- serialisation -------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         """Return the config as plain JSON-ready data."""
@@ -179,7 +164,6 @@ class TrainConfig:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"Cannot read config {path}: {e}") from e
-        # An earlier version's run still loads (and resumes): its retired fields are dropped.
         return cls.from_dict({k: v for k, v in data.items() if k not in RETIRED_KEYS})
 
 

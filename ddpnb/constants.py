@@ -1,9 +1,6 @@
 """What the package and the worker share, stdlib only: one copy of each.
 
-The worker (``train_ddp.py``) runs on nodes without ddpnb installed, so this file goes
-beside it as ``ddpnb_constants.py`` (like the reporting file) and the worker imports it
-from there. Keeping it free of torch lets ``import ddpnb`` (and ``ddpnb check``) stay
-light.
+The worker imports it as ``ddpnb_constants.py`` on nodes without ddpnb; torch-free, so it is light.
 """
 
 from __future__ import annotations
@@ -15,8 +12,7 @@ from pathlib import Path
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-# Fields that may change on resume without invalidating the checkpoint: how long to
-# train and wait, and how gradients travel (the averaged values are the same).
+# Fields that may change on resume without invalidating the checkpoint (same averaged values).
 RESUMABLE_KEYS = ("epochs", "timeout_seconds", "comm_hook", "bucket_cap_mb")
 
 
@@ -35,10 +31,7 @@ def dataset_files(root: str | os.PathLike) -> list[tuple[str, Path]]:
 
 
 def dataset_fingerprint(root: str | os.PathLike) -> str:
-    """sha256 over the sorted relative paths and contents of train/ and val/.
-
-    Files are streamed in 1 MiB blocks, so memory stays flat for any dataset size.
-    """
+    """sha256 over the sorted relative paths and contents of train/ and val/."""
     digest = hashlib.sha256()
     for rel, path in dataset_files(root):
         digest.update(rel.encode() + b"\0")
@@ -50,10 +43,8 @@ def dataset_fingerprint(root: str | os.PathLike) -> str:
 
 
 def threads_for_host(procs_on_host: int, cores: int | None = None) -> int:
-    # Each process gets its share of the host's cores: N simulated nodes x P processes
-    # with default threads each would oversubscribe the cores (8x slower measured).
-    # ``cores``: another host's count (the SSH launcher asks each host for its own). Here:
-    # the CPUs this process may use (a Slurm allocation, taskset), not all of the machine's.
+    # Each process gets its share of the cores: default threads oversubscribe them (8x slower,
+    # measured). ``cores``: another host's; None: the CPUs this process may use (Slurm, taskset).
     if cores is None:
         affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
         cores = len(affinity(0)) if affinity else os.cpu_count() or 1

@@ -43,16 +43,9 @@ class HostError(LaunchError):
 class RunFailed(DdpnbError):
     """A launched run ended without finishing: the base of the run failures below.
 
-    Attributes
-    ----------
-    host:
-        The host of the failing node (``None`` where unknown or on this machine).
-    node_rank, global_rank, exit_code:
-        Where the first failure happened and how the process ended (``None`` where unknown).
-    traceback:
-        The failing worker's Python traceback, from torchrun's error file or its log.
-    log_tail:
-        The last lines of that node's log.
+    ``host``: the failing node's host (None if unknown or local). ``node_rank``, ``global_rank``,
+    ``exit_code``: where the first failure happened, how it ended (None if unknown).
+    ``traceback``: the failing worker's traceback; ``log_tail``: the last lines of its node's log.
     """
 
     def __init__(
@@ -83,8 +76,7 @@ class RunFailed(DdpnbError):
 class RunInterrupted(KeyboardInterrupt):
     """The user stopped a run (Ctrl-C, the notebook's stop button): every process of it ended.
 
-    A KeyboardInterrupt, so that the cell ends as interrupted and Run All stops there; in a
-    notebook it shows as one short message instead of a traceback through ddpnb's frames.
+    A KeyboardInterrupt, so the cell ends as interrupted and Run All stops there.
     """
 
     def __init__(self, run_dir, epochs_done: int) -> None:
@@ -140,9 +132,7 @@ class NodeLost(RunFailed):
 class NetworkError(HostError):
     """The hosts cannot reach node 0 or each other as a run needs (found before it starts).
 
-    The message names every failing host or pair of hosts and the fix (open this port, use
-    this address for ``master_addr``, set this interface); ``report`` holds the whole
-    :class:`ddpnb.network.NetworkReport` (``str(report)`` is its table).
+    ``report``: the :class:`ddpnb.network.NetworkReport` (``str(report)`` is its table).
     """
 
     def __init__(self, message: str, *, host: str | None = None, report=None) -> None:
@@ -161,8 +151,7 @@ class SlurmRequestError(ConfigError):
 class SlurmJobEnded(RunFailed):
     """Slurm ended the job before the run finished: time limit, node failure, cancelled.
 
-    ``state`` is Slurm's job state (``TIMEOUT``, ``NODE_FAIL``, ``CANCELLED``,
-    ``PREEMPTED``, ...), ``reason`` Slurm's reason, ``job_id`` the job.
+    ``state``: Slurm's job state (``TIMEOUT``, ``NODE_FAIL``, ``PREEMPTED``, ...); ``reason``: why.
     """
 
     def __init__(self, message: str, *, state: str, reason: str, job_id: str, **kw: Any) -> None:

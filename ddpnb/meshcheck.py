@@ -1,18 +1,9 @@
 """Can the nodes of a run reach node 0 and each other, on the interface torch will use?
 
-One file, the standard library and torch, nothing of ddpnb: it runs where ddpnb is not
-installed. Each node finds its interface toward node 0 and listens on an ephemeral port;
-the nodes share these facts, connect to node 0's rendezvous port and to every peer, and
-share what they saw (:func:`mesh`). The relay that shares the records: over SSH, the
-launcher (:func:`ddpnb.network.check_network` sends this file as ``python -c`` with
-``--agent``; records are stdout lines, everyone's comes back on stdin), so a host that
-cannot reach node 0 still checks its peers; in a Slurm job (one task per node, ``--nnodes
---node-rank --master-addr --master-port``), a TCP store on node 0's rendezvous port, then a
-gloo all-reduce; exit status 1 with the problems and their fixes on stderr.
-
-The interface is what ``ip -4 route get MASTER_ADDR`` says carries traffic to node 0 (on
-node 0, the one holding that address) unless ``GLOO_SOCKET_IFNAME`` is set: gloo otherwise
-advertises the address its host name resolves to, loopback on many machines (pytorch/gloo#223).
+Standard library and torch only, so it runs where ddpnb is not installed: over SSH, relayed by
+:mod:`ddpnb.network`, or as a Slurm job's first step. The interface is the one ``ip -4 route
+get`` names toward node 0 unless ``GLOO_SOCKET_IFNAME`` is set: gloo otherwise advertises its
+host name's address, often loopback (pytorch/gloo#223).
 """
 
 from __future__ import annotations
@@ -34,9 +25,6 @@ from datetime import timedelta
 CONNECT_TIMEOUT = 5.0  # seconds one TCP connect may take before it counts as dropped
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 TAG = "DDPNB-NET "  # starts each record the agent prints over SSH
-
-
-# -- what one node can tell about itself ------------------------------------------------
 
 
 def resolve(name: str) -> list[str]:
@@ -74,7 +62,7 @@ def interfaces() -> dict[str, list[str]]:
             try:  # SIOCGIFADDR
                 raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
             except OSError:
-                continue  # no IPv4 address
+                continue
             found[name] = [socket.inet_ntoa(raw[20:24])]
     return found
 
@@ -123,11 +111,7 @@ def port_range() -> str:
 
 
 def versions() -> dict:
-    """torch, CUDA and NCCL versions of this node's torch (None where absent).
-
-    Read from torch's ``version.py`` and the NCCL wheel's metadata, without importing torch
-    (seconds on a busy host, and it must not touch the GPUs).
-    """
+    """torch, CUDA and NCCL versions (None if absent), without importing torch (slow; GPUs)."""
     import importlib.metadata as md
     import importlib.util
 
@@ -187,9 +171,6 @@ def _why(facts: dict, master_addr: str) -> str:
     return why
 
 
-# -- talking to the others --------------------------------------------------------------
-
-
 def connect(addr: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:
     """'ok', or what a TCP connect to addr:port saw: refused, timed out, no route."""
     try:
@@ -232,11 +213,9 @@ def listen(addr: str, port: int) -> int:
 
 
 def mesh(me: dict, share, rank: int, port: int, deadline: float, connect_timeout: float):
-    """This node's part once ``me`` holds its facts: listen, share, connect, share again.
+    """This node's part: listen, share, connect, share again; every node's record, or None.
 
-    ``share(record, by)`` hands this node's record to the relay and returns every node's
-    record (None for those that did not report by then), or None. Returns what the second
-    share returns: every node's record with ``connects`` and ``versions``.
+    ``share(record, by)`` relays ``record`` and returns every node's (None if silent by ``by``).
     """
     if me["facts"]["address"]:
         me["mesh_port"] = listen(me["facts"]["address"], 0)
@@ -256,9 +235,6 @@ def mesh(me: dict, share, rank: int, port: int, deadline: float, connect_timeout
     return share(me, deadline)
 
 
-# -- what is wrong, and the fix ---------------------------------------------------------
-
-
 SEEN = {
     "refused": "refused (nothing listens there: wrong address or port)",
     "timed out": "timed out (a firewall drops it)",
@@ -269,9 +245,7 @@ SEEN = {
 def diagnose(nodes: list[dict], master_addr: str, port: int) -> list[tuple[str, str]]:
     """Every problem as (node name, what is wrong and the fix); empty when all is well.
 
-    ``nodes[n]`` holds ``name``, and either ``error`` or ``facts``, ``mesh_port``,
-    ``connects`` (``'master'`` and each peer's node number -> what its connect saw),
-    ``versions`` and, on node 0, ``listen_error``.
+    ``nodes[n]``: ``name``, and ``error`` or the record :func:`mesh` shares.
     """
     problems = [(n["name"], n["error"]) for n in nodes if n.get("error")]
     node0, live = nodes[0], [n for n in nodes if n.get("facts")]
@@ -299,7 +273,6 @@ def diagnose(nodes: list[dict], master_addr: str, port: int) -> list[tuple[str, 
 
 def _problems_of(n: dict, nodes: list[dict], master_addr: str, port: int, one_machine: bool,
                  hint: str):  # fmt: skip
-    """What is wrong with node ``n``'s idea of master_addr, and with its connects."""
     f, name, name0 = n["facts"], n["name"], nodes[0]["name"]
     if not f["master"]:
         yield (f"cannot resolve master_addr {master_addr!r}: use node 0's address ({hint}) for "
@@ -347,9 +320,6 @@ def explain(problems: list[tuple[str, str]], head: str) -> str:
     return head + ":\n" + "\n".join(f"  - {name} {text}" for name, text in problems)
 
 
-# -- the two relays: the launcher over SSH, a TCP store on node 0 in a Slurm job --------
-
-
 def _new_record(facts: dict, **more) -> dict:
     return {"facts": facts, "listen_error": None, "mesh_port": None, "connects": {}, **more}
 
@@ -361,7 +331,7 @@ def run_agent(args: dict) -> int:
     timer.start()  # whatever hangs, this process ends
     deadline = time.monotonic() + args["timeout"]
     me = _new_record(local_facts(args["master_addr"], args.get("ifname")))
-    if args["rank"] == 0:  # the rendezvous port, for every host to connect to
+    if args["rank"] == 0:
         try:
             listen("", args["master_port"])
         except OSError as e:
@@ -377,7 +347,7 @@ def run_agent(args: dict) -> int:
 
 
 def _slurm_mesh(args: argparse.Namespace, me: dict, deadline: float):
-    """Every node's record through node 0's store, and the store; None when out of reach."""
+    """Every node's record via node 0's store, and the store; None when out of reach."""
     from torch.distributed import TCPStore
 
     master, rank, port, seen = me["facts"]["master"], args.node_rank, args.master_port, "ok"
@@ -396,7 +366,7 @@ def _slurm_mesh(args: argparse.Namespace, me: dict, deadline: float):
     def share(record: dict | None, by: float) -> list:
         keys = [f"meshcheck/{next(rounds)}/{n}" for n in range(args.nnodes)]
         store.set(keys[rank], json.dumps(record))
-        try:  # every node's key of this round
+        try:
             store.wait(keys, timedelta(seconds=max(0.1, by - time.monotonic())))
         except Exception:  # some did not report: read who did
             pass

@@ -1,12 +1,8 @@
 """The network between the hosts of a run, checked over SSH before anything starts.
 
-In about 20 s whatever hangs, on every host at once: master_addr resolves to an address
-the host routes to (loopback only when every node is on one host); the host reaches node
-0's master_addr:master_port, and every other host's ephemeral port on its interface toward
-node 0 (``ip -4 route get``), which becomes its ``GLOO_SOCKET_IFNAME`` (and
-``NCCL_SOCKET_IFNAME`` with nccl) unless the user set one; torch, CUDA and NCCL versions
-are compared. The hosts need Python only: this side relays the records of
-:mod:`ddpnb.meshcheck`, sent as ``python -c`` (the same file is the Slurm job's first step).
+In about 20 s, every host at once: master_addr resolves, node 0's port and every peer answer
+on the host's interface toward node 0 (its ``GLOO_SOCKET_IFNAME`` unless the user set one),
+torch versions match. Hosts need Python only: :mod:`ddpnb.meshcheck` goes as ``python -c``.
 """
 
 from __future__ import annotations
@@ -43,13 +39,13 @@ class HostRow:
 
     node: int
     host: str  # as the user wrote it
-    address: str | None  # where its peers reach it (its address on ``interface``)
-    interface: str | None  # the interface its traffic to node 0 takes
-    why: str  # why that interface
+    address: str | None
+    interface: str | None
+    why: str
     master: str | None  # master_addr as this host resolves it
     reaches_node0: str  # 'ok', 'refused', 'timed out', 'no route', or '-' (not checked)
     mesh: str  # 'ok', or the peers it could not connect to
-    versions: str  # 'torch 2.x, CUDA 12.x, NCCL 2.x'
+    versions: str
     env: dict[str, str]  # the interface variables its agent gets
 
 
@@ -58,7 +54,7 @@ class NetworkReport:
     """What :func:`check_network` found: ``rows`` (one per host), ``problems``, a table."""
 
     rows: list[HostRow]
-    problems: list[tuple[str, str]]  # (host, what is wrong and the fix)
+    problems: list[tuple[str, str]]
     master_addr: str
     master_port: int
     backend: str
@@ -108,18 +104,11 @@ def check_network(
 ) -> NetworkReport:
     """Check that every host reaches node 0 and every other host; choose each interface.
 
-    ``hosts``: node 0 first, reached with ``ssh``, running ``python``. ``master_addr``,
-    ``master_port``: the run's rendezvous endpoint (node 0's address, a free port there).
-    ``backend``: ``'gloo'`` or ``'nccl'`` (then ``NCCL_SOCKET_IFNAME`` is chosen too).
-    ``user_env``: what the user passes to the hosts (an interface variable set there is
-    kept). ``timeout``: seconds the whole check may take.
+    ``hosts``: node 0 first. ``user_env``: what the hosts get (an interface variable set there
+    is kept). Raises :class:`~ddpnb.errors.NetworkError` naming each failing host and the fix.
 
-    Returns the :class:`NetworkReport`; raises :class:`~ddpnb.errors.NetworkError` naming
-    every failing host or pair and the fix (its ``report`` holds the table).
-
-    >>> report = check_network(Ssh(), parse_hosts(["gpu1", "gpu2"]), "python3",
-    ...                        master_addr="gpu1", master_port=29500)  # doctest: +SKIP
-    >>> report.env(1)  # doctest: +SKIP
+    >>> check_network(Ssh(), parse_hosts(["gpu1", "gpu2"]), "python3", master_addr="gpu1",
+    ...               master_port=29500).env(1)  # doctest: +SKIP
     {'GLOO_SOCKET_IFNAME': 'ib0'}
     """
     if not hosts:

@@ -1,8 +1,4 @@
-"""Every check made before a process starts: config, dataset, model, ports, layout.
-
-A run that fails here has written nothing and started nothing; each error names the
-problem and the fix.
-"""
+"""Every check made before a process starts or anything is written: config, data, model, ports."""
 
 from __future__ import annotations
 
@@ -30,8 +26,7 @@ def check_progress(progress: str) -> str:
 def check_run(config: TrainConfig, world_size: int, here: bool = True) -> TrainConfig:
     """Check the worker's dataset and model; return the config with data_dir absolute.
 
-    ``here=False`` (real hosts): the dataset need not be on this machine, where it is
-    not its path must be absolute, and the hosts' preflight checks it there.
+    ``here=False`` (real hosts): a data_dir not on this machine must be absolute (hosts check it).
     """
     data_dir = Path(config.data_dir)
     if here or data_dir.exists():

@@ -14,8 +14,7 @@ from .errors import RunDirError
 from .script import worker_script
 
 WORKER_NAME = "train_ddp.py"
-# What every run writes besides its script's files; overwrite=True removes exactly these,
-# the script's files and nothing else (what the script wrote itself stays).
+# What every run writes besides its script's files (overwrite=True removes both, nothing else).
 PRODUCTS = (
     "metrics.jsonl",
     "progress.json",
@@ -27,15 +26,9 @@ PRODUCTS = (
 
 
 def write_worker(config: TrainConfig, run_dir: str | os.PathLike) -> Path:
-    """Write ``run_dir/train_ddp.py`` (a byte copy of ``ddpnb/worker.py``), ``config.json``
-    and the reporting file the worker imports (``ddpnb_reporting.py``).
+    """Write ``train_ddp.py``, ``config.json`` and the reporting file: a folder torch alone runs.
 
-    The folder runs anywhere torch is installed:
-    ``torchrun --nproc_per_node 2 train_ddp.py --config config.json``.
-
-    Example
-    -------
-    >>> write_worker(TrainConfig(data_dir="data/digits"), "runs/x")   # doctest: +SKIP
+    >>> write_worker(TrainConfig(data_dir="data/digits"), "runs/x")  # doctest: +SKIP
     PosixPath('runs/x/train_ddp.py')
     """
     run_dir = Path(run_dir)
@@ -60,12 +53,7 @@ def prepare_run_dir(
     resume: bool = False,
     overwrite: bool = False,
 ) -> Path:
-    """Apply the run-directory rules before anything is written.
-
-    A directory holding a run raises :class:`RunDirError` unless ``resume`` (same
-    script and config, continue from its checkpoint) or ``overwrite`` (remove its
-    products and the script's files; what the script wrote itself stays).
-    """
+    """Apply the run-dir rules: a run there needs ``resume`` (same config) or ``overwrite``."""
     run_dir = Path(run_dir)
     if resume and overwrite:
         raise RunDirError("Pass either resume=True or overwrite=True, not both.")

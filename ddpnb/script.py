@@ -1,10 +1,6 @@
 """What a run executes: a torchrun script, its arguments, and the files it needs beside it.
 
-Any script that runs under ``torchrun`` runs under ddpnb. The run directory is its
-working directory on every node: the script, its ``files`` (files and folders, in the
-places they have in the current folder) and ddpnb's reporting file
-(``ddpnb_reporting.py``, optional to use) are copied there. ddpnb's own worker is one
-such script: :func:`worker_script` is ``train_ddp.py --config config.json``.
+Any script that runs under ``torchrun`` runs under ddpnb, in the run directory on every node.
 """
 
 from __future__ import annotations
@@ -21,29 +17,18 @@ MESHCHECK_NAME = "ddpnb_meshcheck.py"  # the network check a Slurm job runs firs
 REPORTING_PATH = Path(__file__).with_name("reporting.py")
 CONSTANTS_NAME = "ddpnb_constants.py"  # what ddpnb's worker shares with the package
 HOOKS_DIR = ".ddpnb"  # ddpnb's hooks in the run directory (ddpnb.hang writes them)
-MAX_COPY_MB = 100.0  # above this the launch refuses to copy the script's files (max_copy_mb)
+MAX_COPY_MB = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Script:
     """A torchrun script, the arguments after it, and the files it needs beside it.
 
-    ``files`` (modules and packages the script imports, configs, small data: files or
-    folders, a folder copied whole) are copied into the run directory with the script. A
-    relative path keeps its place, relative to the current folder: ``data/tiny/train.bin``
-    lands as ``RUN_DIR/data/tiny/train.bin`` and ``src/train.py`` runs as
-    ``RUN_DIR/src/train.py``, as torchrun would run them from the current folder. An
-    absolute path lands at the top of the run directory, under its own name. A relative
-    path that climbs out of the current folder (``../x``) is refused. Above
-    ``max_copy_mb`` megabytes in all the launch refuses to copy: keep large data on a
-    filesystem every node shares and pass its path in ``args`` (never copied). Pass a
-    ``Script`` wherever a :class:`~ddpnb.TrainConfig` goes: ``launch``, ``submit_slurm``,
-    ``check_script``.
+    A ``Script`` goes wherever a ``TrainConfig`` does. ``files`` (modules, configs, small data)
+    are copied to the run directory, a relative path at its place, an absolute one at the top;
+    above ``max_copy_mb`` in all the launch refuses: keep large data on a shared filesystem.
 
-    Example
-    -------
-    >>> s = Script("src/train.py", args=["config/small.json"], files=["mypkg", "config"])
-    >>> s.name
+    >>> Script("src/train.py", args=["config/small.json"], files=["mypkg", "config"]).name
     'src/train.py'
     """
 
@@ -51,8 +36,7 @@ class Script:
     args: Sequence[str] = ()
     files: Sequence[str | os.PathLike] = ()
     max_copy_mb: float = MAX_COPY_MB
-    # ddpnb's worker: the name it takes in the run directory and the files ddpnb writes
-    # for it (config.json). Not for users' scripts.
+    # ddpnb's worker only: its name in the run directory, and the files written for it.
     rename: str | None = dataclasses.field(default=None, repr=False)
     generated: Mapping[str, bytes] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -81,8 +65,7 @@ class Script:
         return self.rename or _place(self.path)
 
     def check(self) -> None:
-        """Raise ConfigError unless the script and every file exist, their places in the run
-        directory differ, and they are not larger than ``max_copy_mb`` in all."""
+        """Raise ConfigError unless every file exists, has a place of its own, and fits."""
         given = [Path(self.path), *map(Path, self.files)]
         missing = [str(p) for p in given if not p.exists()]
         if missing:
@@ -113,16 +96,14 @@ class Script:
         _check_size(sources, self.max_copy_mb)
 
     def payload(self) -> dict[str, bytes]:
-        """Every file the run directory gets, by its path there: the script, its files (a
-        folder's, each), the reporting file."""
+        """Every file the run directory gets, by its path there."""
         out = {name: path.read_bytes() for name, path, _ in self._sources()}
         out.update(self.generated)
         out[REPORTING_NAME] = REPORTING_PATH.read_bytes()
         return out
 
     def _sources(self) -> list[tuple[str, Path, str]]:
-        """(path in the run directory, file here, the path given) of every file copied;
-        a file given twice (``data`` and ``data/a.txt``) once."""
+        """(place in the run directory, file here, path given) of every file copied, once."""
         out, seen = [], set()
         given = [(self.name, self.path), *((_place(f), f) for f in self.files)]
         for place, path in given:
@@ -133,11 +114,7 @@ class Script:
         return out
 
     def command(self, run_dir: str | os.PathLike) -> list[str]:
-        """The script and its arguments as torchrun runs them, with ``run_dir`` its folder.
-
-        An argument naming a file ddpnb writes (the worker's ``config.json``) gets the
-        folder too, so the line runs from any working directory.
-        """
+        """The script and its arguments as torchrun runs them, with ``run_dir`` its folder."""
         folder = str(run_dir).rstrip("/")
         args = [f"{folder}/{a}" if a in self.generated else a for a in self.args]
         return [f"{folder}/{self.name}", *args]
@@ -146,11 +123,9 @@ class Script:
 def worker_script(config, path: str | os.PathLike | None = None) -> Script:
     """ddpnb's tutorial worker as a Script: ``train_ddp.py --config config.json``.
 
-    ``path``: another version of the worker to run under that name (notebook 06's
-    pitfalls are variants of it); by default the package's own ``worker.py``. The run
-    directory also gets ``config.json`` and ``ddpnb_constants.py``, which it imports.
+    ``path``: another version of the worker to run under that name (notebook 06's pitfalls).
 
-    >>> worker_script(TrainConfig()).command("/runs/a")          # doctest: +SKIP
+    >>> worker_script(TrainConfig()).command("/runs/a")  # doctest: +SKIP
     ['/runs/a/train_ddp.py', '--config', '/runs/a/config.json']
     """
     from .source import WORKER_PATH
@@ -165,8 +140,7 @@ def worker_script(config, path: str | os.PathLike | None = None) -> Script:
 
 
 def _place(path: str | os.PathLike) -> str:
-    """Where ``path`` lands in the run directory: a relative path keeps its place (relative
-    to the current folder), an absolute one lands at the top under its own name."""
+    """Where ``path`` lands in the run directory (see :class:`Script`)."""
     if Path(path).is_absolute():
         return Path(path).name
     place = Path(os.path.normpath(path)).as_posix()
@@ -181,7 +155,6 @@ def _place(path: str | os.PathLike) -> str:
 
 
 def _walk(place: str, path: Path) -> list[tuple[str, Path]]:
-    """A file, or every file of a folder (but ``__pycache__``), with its place."""
     if not path.is_dir():
         return [(place, path)]
     out = []
@@ -194,7 +167,6 @@ def _walk(place: str, path: Path) -> list[tuple[str, Path]]:
 
 
 def _check_size(sources: list[tuple[str, Path, str]], max_mb: float) -> None:
-    """ConfigError naming the total and the largest paths given when above ``max_mb``."""
     sizes: dict[str, int] = {}
     for _, file, given in sources:
         sizes[given] = sizes.get(given, 0) + file.stat().st_size
