@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -39,14 +40,10 @@ class DatasetSummary:
     def __str__(self) -> str:
         lines = [f"Dataset {self.root}" + (f" (source: {self.source})" if self.source else "")]
         lines.append(f"  classes ({len(self.classes)}): {', '.join(self.classes)}")
-        header = "  " + "class".ljust(12) + "".join(s.rjust(8) for s in SPLITS)
-        lines.append(header)
-        for c in self.classes:
-            row = "".join(str(self.counts.get(s, {}).get(c, 0)).rjust(8) for s in SPLITS)
-            lines.append("  " + c[:12].ljust(12) + row)
-        lines.append(
-            "  " + "total".ljust(12) + "".join(str(self.split_size(s)).rjust(8) for s in SPLITS)
-        )
+        rows = [("class", SPLITS)]
+        rows += [(c[:12], [self.counts.get(s, {}).get(c, 0) for s in SPLITS]) for c in self.classes]
+        rows.append(("total", [self.split_size(s) for s in SPLITS]))
+        lines += ["  " + name.ljust(12) + "".join(str(n).rjust(8) for n in ns) for name, ns in rows]
         sizes = ", ".join(f"{k} ({v})" for k, v in sorted(self.image_sizes.items()))
         lines.append(f"  image sizes: {sizes or 'none'}")
         if self.fingerprint:
@@ -75,12 +72,6 @@ def prepare_digits(
     ``image_size``, split per class (stratified) and deterministically by ``seed``.
     Needs no network. Calling again with the same arguments does nothing; other
     arguments on a non-empty folder raise :class:`DatasetError` unless ``overwrite``.
-
-    Example
-    -------
-    >>> root = prepare_digits("data/digits")            # doctest: +SKIP
-    >>> inspect_dataset(root).split_size("val")          # doctest: +SKIP
-    360
     """
     if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < 8:
         raise DatasetError(f"image_size must be an integer >= 8, got {image_size!r}.")
@@ -128,13 +119,11 @@ def prepare_digits(
                 img.save(tmp / split / str(digits.target[i]) / f"{i:04d}.png", optimize=False)
         summary = inspect_dataset(tmp, show=False, write_manifest=False)
         _write_manifest(tmp, summary, source="digits", params=params)
+        old = root.with_name(f".{root.name}.old-{os.getpid()}")
         if root.exists():
-            old = root.with_name(f".{root.name}.old-{os.getpid()}")
             os.replace(root, old)
-            os.replace(tmp, root)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, root)
+        os.replace(tmp, root)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -171,12 +160,6 @@ def inspect_dataset(
     Every problem is collected (missing split, class sets that differ, empty class,
     unreadable image by path, non-image file), then the summary is printed (``show``)
     and, when the folder is writable, saved with the fingerprint to ``manifest.json``.
-
-    Example
-    -------
-    >>> s = inspect_dataset("data/digits")                # doctest: +SKIP
-    >>> s.ok, s.classes[:3]                               # doctest: +SKIP
-    (True, ['0', '1', '2'])
     """
     root = Path(root)
     if not root.is_dir():
@@ -205,14 +188,10 @@ def inspect_dataset(
             if n == 0:
                 problems.append(f"empty class: {split_dir / c} holds no readable images")
     if len(class_sets) == 2 and class_sets["train"] != class_sets["val"]:
-        only_train = sorted(set(class_sets["train"]) - set(class_sets["val"]))
-        only_val = sorted(set(class_sets["val"]) - set(class_sets["train"]))
-        problems.append(
-            "train/val class sets differ: "
-            + (f"missing from val: {only_train}" if only_train else "")
-            + ("; " if only_train and only_val else "")
-            + (f"missing from train: {only_val}" if only_val else "")
-        )
+        pairs = (("val", "train"), ("train", "val"))
+        gaps = [(a, sorted(set(class_sets[b]) - set(class_sets[a]))) for a, b in pairs]
+        gaps = "; ".join(f"missing from {a}: {names}" for a, names in gaps if names)
+        problems.append(f"train/val class sets differ: {gaps}")
     all_classes = sorted(set().union(*class_sets.values())) if class_sets else []
     fingerprint = dataset_fingerprint(root) if class_sets else None
     existing = _read_manifest(root)
@@ -270,12 +249,6 @@ def subset_dataset(
     digits stay "digits" for augmentation). Calling again with the same arguments does
     nothing; another subset in ``root`` is replaced. Notebook 06 uses it for a val split
     that no small world size divides.
-
-    Example
-    -------
-    >>> root = subset_dataset("data/digits", "runs/pitfalls/data", train=400, val=101)  # doctest: +SKIP
-    >>> inspect_dataset(root, show=False).split_size("val")                            # doctest: +SKIP
-    101
     """
     source, root = Path(source), Path(root)
     summary = require_valid_dataset(source)
@@ -302,14 +275,9 @@ def subset_dataset(
             for c in summary.classes
         ]
         # Round robin over the classes: the first n images keep the class balance.
-        chosen = [
-            (c, files[i])
-            for i in range(max(map(len, per_class)))
-            for c, files in zip(summary.classes, per_class)
-            if i < len(files)
-        ][:n]
-        for c, path in chosen:
-            target = root / split / c / path.relative_to(source / split / c)
+        in_turn = itertools.chain.from_iterable(itertools.zip_longest(*per_class))
+        for path in [p for p in in_turn if p is not None][:n]:
+            target = root / path.relative_to(source)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
     _write_manifest(

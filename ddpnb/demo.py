@@ -51,11 +51,8 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
 
 
 def ipc_kernel_manager():
-    """A kernel manager whose kernel talks over local IPC sockets, not loopback TCP.
-
-    With TCP, every kernel prints a warning that its traffic is unencrypted; IPC
-    sockets are files only this user can open, so there is nothing to warn about.
-    """
+    """A kernel manager whose kernel talks over local IPC sockets, not loopback TCP (over
+    TCP every kernel warns that its traffic is unencrypted; IPC sockets are user-only files)."""
     from jupyter_client.manager import AsyncKernelManager
 
     class IpcKernelManager(AsyncKernelManager):
@@ -66,12 +63,11 @@ def ipc_kernel_manager():
     return IpcKernelManager
 
 
-def run(out: Path, data_dir: Path, quick: bool = False, timeout: int = 900) -> list[Path]:
-    """Execute every notebook into ``out``, save the figures each shows; the notebooks run."""
+def run(out: Path, data_dir: Path, quick: bool = False, timeout: int = 900) -> None:
+    """Execute every notebook into ``out`` and save the figures each shows."""
     import papermill
 
     out.mkdir(parents=True, exist_ok=True)
-    done = []
     for name, params in notebook_parameters(out, data_dir, quick).items():
         if not (NOTEBOOKS / name).exists():
             continue
@@ -89,11 +85,9 @@ def run(out: Path, data_dir: Path, quick: bool = False, timeout: int = 900) -> l
         )
         save_figures(out / name, out)
         print(f"   done in {time.time() - t:.0f} s -> {out / name}", flush=True)
-        done.append(out / name)
-    return done
 
 
-def save_figures(notebook: Path, folder: Path) -> list[Path]:
+def save_figures(notebook: Path, folder: Path) -> None:
     """Write every image an executed notebook shows to ``folder/<NN>_figure<i>.png``."""
     import nbformat
 
@@ -105,12 +99,8 @@ def save_figures(notebook: Path, folder: Path) -> list[Path]:
         for o in c.get("outputs", [])
         if "image/png" in o.get("data", {})
     ]
-    paths = []
     for i, data in enumerate(images, 1):
-        path = folder / f"{notebook.name[:2]}_figure{i}.png"
-        path.write_bytes(base64.b64decode(data))
-        paths.append(path)
-    return paths
+        (folder / f"{notebook.name[:2]}_figure{i}.png").write_bytes(base64.b64decode(data))
 
 
 def summary_lines(out: Path) -> list[str]:
@@ -141,21 +131,20 @@ def summary_lines(out: Path) -> list[str]:
             f"{clean[-1]['val_acc']:.4f} uninterrupted"
         )
     scaling = out / "scaling"
-    layouts = sorted(p.name for p in scaling.glob("*x*") if "-" not in p.name)
-    layouts = [name for name in layouts if (scaling / name / "metrics.jsonl").is_file()]
+    layouts = [p.name for p in sorted(scaling.glob("*x*")) if "-" not in p.name]
+    layouts = [name for name in layouts if final(f"scaling/{name}") is not None]
     for row in scaling_table({name: scaling / name for name in layouts}) if layouts else []:
         lines.append(
             f"scaling {row['layout']}:  {row['images/s']} img/s, efficiency "
             f"{row['efficiency']:.2f}, communication share {row['communication share']:.2f}"
         )
     for gloo in sorted(scaling.glob("*-gloo")):
-        shm = scaling / gloo.name.removesuffix("-gloo")
-        if (gloo / "metrics.jsonl").is_file() and (shm / "metrics.jsonl").is_file():
+        shm = gloo.name.removesuffix("-gloo")
+        if (s := final(f"scaling/{shm}")) and (g := final(f"scaling/{gloo.name}")):
             lines.append(
-                f"{shm.name} gradients through shared memory "
-                f"{load_metrics(shm).final['images_per_second']:.0f} img/s, through gloo "
-                f"{load_metrics(gloo).final['images_per_second']:.0f} img/s, "
-                f"identical weights {same_weights(shm, gloo)}"
+                f"{shm} gradients through shared memory {s['images_per_second']:.0f} img/s, "
+                f"through gloo {g['images_per_second']:.0f} img/s, "
+                f"identical weights {same_weights(scaling / shm, gloo)}"
             )
     return lines
 

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 
 from .config import TrainConfig
 from .errors import ConfigError
-from .metrics import RunMetrics, load_metrics
+from .report import as_metrics
 from .script import Script, worker_script
 from .source import WORKER_PATH
 
@@ -128,10 +128,7 @@ def diff(name: str, context: int = 1) -> str:
 
 
 def script(config: TrainConfig, name: str, folder: str | os.PathLike) -> Script:
-    """Pitfall ``name`` as a Script: the edited worker, written to ``folder``, with ``config``.
-
-    Launch it like any script: ``ddpnb.launch(script(cfg, "no_sampler", "runs"), ...)``.
-    """
+    """Pitfall ``name`` as a Script to launch: the edited worker, written to ``folder``."""
     path = Path(folder) / f"train_ddp_{name}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(variant(name))
@@ -139,26 +136,15 @@ def script(config: TrainConfig, name: str, folder: str | os.PathLike) -> Script:
     return worker_script(config.replace(data_dir=os.path.abspath(config.data_dir)), path)
 
 
-RunLike = str | os.PathLike | RunMetrics
-
-
-def _metrics(run) -> RunMetrics:
-    if isinstance(run, RunMetrics):
-        return run
-    return load_metrics(getattr(run, "run_dir", run))  # a Job, or a run directory
-
-
 def _per_epoch_rank_mean(run, key: str) -> list[float]:
-    ranks = list(_metrics(run).ranks.values())
+    ranks = list(as_metrics(run).ranks.values())
     epochs = min(len(records) for records in ranks)
     return [sum(records[e][key] for records in ranks) / len(ranks) for e in range(epochs)]
 
 
 def epoch_seconds(run) -> float:
-    """A rank's training seconds per epoch: the mean over ranks, the best epoch.
-
-    The best (shortest) epoch, because on a shared machine noise only ever adds time.
-    """
+    """A rank's training seconds per epoch: the mean over ranks, the best (shortest) epoch,
+    because on a shared machine noise only ever adds time."""
     return min(_per_epoch_rank_mean(run, "train_seconds"))
 
 
@@ -168,18 +154,12 @@ def rank_images_per_second(run) -> float:
 
 
 def plot_epoch_seconds(runs: Mapping[str, object]) -> Figure:
-    """Bars of each rank's training seconds in the last epoch, one colour per run.
-
-    Example
-    -------
-    >>> plot_epoch_seconds({"correct": "runs/ok", "no sampler": "runs/bad"})  # doctest: +SKIP
-    """
+    """Bars of each rank's training seconds in the last epoch, one colour per run."""
     fig = Figure(figsize=(max(5, 1.5 * len(runs) + 3), 4), layout="constrained")
     ax = fig.subplots()
-    x = 0.0
-    ticks, ticklabels = [], []
+    x, ticks, ticklabels = 0.0, [], []
     for i, (label, run) in enumerate(runs.items()):
-        for rank, records in _metrics(run).ranks.items():
+        for rank, records in as_metrics(run).ranks.items():
             seconds = records[-1]["train_seconds"]
             ax.bar(x, seconds, color=f"C{i}", label=label if rank == 0 else None)
             ax.text(x, seconds, f"{seconds:.1f}", ha="center", va="bottom", fontsize=8)

@@ -10,15 +10,12 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from .metrics import RunMetrics
-from .report import RunLike, as_metrics, rank_table, scaling_table
+from .report import RunLike, _labelled, rank_table, scaling_table
 
 
-def _runs(runs: RunLike | Sequence[RunLike]) -> list[RunMetrics]:
-    """RunMetrics of one run or several (run directories, Jobs or RunMetrics)."""
-    if isinstance(runs, (str, os.PathLike, RunMetrics)) or hasattr(runs, "run_dir"):
-        runs = [runs]
-    return [as_metrics(r) for r in runs]
+def _runs(runs, labels) -> list:
+    """(label, RunMetrics) of one run or several; the default label names the world size."""
+    return _labelled(runs, labels, lambda m: m.label)
 
 
 def label_log_axis(ax: Axes) -> None:
@@ -28,10 +25,6 @@ def label_log_axis(ax: Axes) -> None:
     labels 1 and 10 with nothing to read it by. Over many decades fewer labels are used;
     within less than one decade, every multiple and 1.5 (0.06, 0.07, ... 0.1, 0.15, 0.2).
     Call it after plotting: it reads the axis's limits.
-
-    Example
-    -------
-    >>> ax.set_yscale("log"); ax.plot(losses); label_log_axis(ax)   # doctest: +SKIP
     """
     low, high = ax.get_ylim()
     decades = math.log10(high / low) if low > 0 and high > low else 0.0
@@ -48,24 +41,17 @@ def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None 
 
     Epochs that followed a torchrun restart are marked with a red ``x``. A script's run
     draws the numbers it reported (``ddpnb_reporting.epoch``); the rest stay empty.
-
-    Example
-    -------
-    >>> fig = plot_curves(["runs/baseline", "runs/ddp"], labels=["1 process", "DDP"])  # doctest: +SKIP
-    >>> fig.savefig("curves.png")                                                     # doctest: +SKIP
     """
-    runs = _runs(runs)
-    labels = list(labels) if labels is not None else [r.label for r in runs]
     # Figure() rather than pyplot: no global state, no GUI backend, safe in threads.
     fig = Figure(figsize=(10, 4), layout="constrained")
     ax_loss, ax_acc = fig.subplots(1, 2)
-    for i, (run, label) in enumerate(zip(runs, labels)):
-        color = f"C{i}"
+    for i, (label, run) in enumerate(_runs(runs, labels)):
         for ax, key in ((ax_loss, "loss"), (ax_acc, "acc")):
             for split, style in (("train", "--"), ("val", "-o")):
-                points = _points(run.epochs, f"{split}_{key}")
-                if points:
-                    ax.plot(*points, style, ms=3, color=color, label=f"{label} {split}")
+                rows = [(e["epoch"], e.get(f"{split}_{key}")) for e in run.epochs]
+                rows = [(x, y) for x, y in rows if isinstance(y, (int, float))]
+                if rows:
+                    ax.plot(*zip(*rows), style, ms=3, color=f"C{i}", label=f"{label} {split}")
             resumed = [
                 (e["epoch"], e[f"val_{key}"])
                 for prev, e in zip(run.epochs, run.epochs[1:])
@@ -86,28 +72,15 @@ def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None 
     return fig
 
 
-def _points(epochs: list[dict], key: str) -> tuple[list, list] | None:
-    """(epochs, values) of the rows that hold ``key``, or None when none does."""
-    rows = [(e["epoch"], e[key]) for e in epochs if isinstance(e.get(key), (int, float))]
-    return (list(zip(*rows))[0], list(zip(*rows))[1]) if rows else None
-
-
 def plot_throughput(
     runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None = None
 ) -> Figure:
-    """Bars of images/s per rank (last epoch) and the run's total, for each run.
-
-    Example
-    -------
-    >>> plot_throughput("runs/ddp").savefig("throughput.png")   # doctest: +SKIP
-    """
-    runs = _runs(runs)
-    labels = list(labels) if labels is not None else [r.label for r in runs]
+    """Bars of images/s per rank (last epoch) and the run's total, for each run."""
+    runs = _runs(runs, labels)
     fig = Figure(figsize=(max(5, 1.6 * len(runs) + 3), 4), layout="constrained")
     ax = fig.subplots()
-    x = 0.0
-    ticks, ticklabels = [], []
-    for i, (run, label) in enumerate(zip(runs, labels)):
+    x, ticks, ticklabels = 0.0, [], []
+    for i, (label, run) in enumerate(runs):
         per_rank = {r: recs[-1]["images_per_second"] for r, recs in run.ranks.items() if recs}
         for r, ips in per_rank.items():
             ax.bar(x, ips, color=f"C{i}", alpha=0.6)
@@ -135,17 +108,13 @@ def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None
     run (the efficiency is ``images/s / first run's images/s``: the simulated nodes share
     one host's cores, so the ideal is to lose nothing). Right: each rank's last-epoch
     seconds split into data wait, compute and communication that backward had to wait for.
-
-    Example
-    -------
-    >>> plot_scaling(["runs/scaling/1x1", "runs/scaling/1x2"]).savefig("scaling.png")  # doctest: +SKIP
     """
-    runs = _runs(runs)
-    labels = list(labels) if labels is not None else [r.label for r in runs]
+    runs = _runs(runs, labels)
+    labels = [label for label, _ in runs]
     fig = Figure(figsize=(11, 4), layout="constrained")
     ax_ips, ax_split = fig.subplots(1, 2, width_ratios=[1, 1.6])
     # The numbers of report.scaling_table, so the plot and the printed table agree.
-    for i, row in enumerate(scaling_table(runs, labels)):
+    for i, row in enumerate(scaling_table([m for _, m in runs], labels)):
         ips = row["images/s"]
         ax_ips.bar(i, ips, color=f"C{i}")
         text = f"{ips:.0f}\n{row['efficiency']:.0%}"
@@ -157,32 +126,23 @@ def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None
     parts = (("data_wait_seconds", "data wait"), ("compute_seconds", "compute"))
     parts += (("comm_seconds", "communication (not overlapped)"),)
     x, ticks, ticklabels = 0.0, [], []
-    for run, label in zip(runs, labels):
+    for label, run in runs:
         for row in rank_table(run, [key for key, _ in parts], last_epoch=True):
             bottom = 0.0
             for j, (key, name) in enumerate(parts):
                 value = row[key] or 0.0  # "" where a record lacks the key
-                ax_split.bar(x, value, bottom=bottom, color=f"C{j + 3}", label=name)
+                legend = None if ticks else name  # one legend entry per part
+                ax_split.bar(x, value, bottom=bottom, color=f"C{j + 3}", label=legend)
                 bottom += value
             ticks.append(x)
             ticklabels.append(f"{label}\nr{row['rank']}")
             x += 1
         x += 0.6
-    handles, names = ax_split.get_legend_handles_labels()
-    unique = dict(zip(names, handles))
-    ax_split.legend(unique.values(), unique.keys(), fontsize=8, loc="upper center", ncol=3)
+    ax_split.legend(fontsize=8, loc="upper center", ncol=3)
     ax_split.margins(y=0.15)
     ax_split.set_xticks(ticks, ticklabels, fontsize=8)
     ax_split.set(ylabel="seconds in the last epoch", title="Where each rank's time goes")
     return fig
-
-
-def _class_counts(data) -> tuple[list[str], dict[str, dict[str, int]]]:
-    from .data import DatasetSummary, inspect_dataset
-
-    if not isinstance(data, DatasetSummary):
-        data = inspect_dataset(data, show=False, write_manifest=False)
-    return data.classes, data.counts
 
 
 def plot_class_counts(data) -> Figure:
@@ -190,12 +150,12 @@ def plot_class_counts(data) -> Figure:
 
     ``data`` is a dataset folder or the :class:`~ddpnb.data.DatasetSummary` that
     :func:`ddpnb.inspect_dataset` returned (then nothing is read again).
-
-    Example
-    -------
-    >>> plot_class_counts("data/digits").savefig("counts.png")   # doctest: +SKIP
     """
-    classes, counts = _class_counts(data)
+    from .data import DatasetSummary, inspect_dataset
+
+    if not isinstance(data, DatasetSummary):
+        data = inspect_dataset(data, show=False, write_manifest=False)
+    classes, counts = data.classes, data.counts
     fig = Figure(figsize=(9, 3.5), layout="constrained")
     ax = fig.subplots()
     width = 0.4
@@ -215,12 +175,7 @@ def plot_samples(
     data_dir: str | os.PathLike, split: str = "train", per_class: int = 2, max_classes: int = 10
 ) -> Figure:
     """A grid of images read straight from the files: a column per class (the first
-    ``max_classes``), the first ``per_class`` images of each, in sorted file order.
-
-    Example
-    -------
-    >>> plot_samples("data/digits").savefig("samples.png")   # doctest: +SKIP
-    """
+    ``max_classes``), the first ``per_class`` images of each, in sorted file order."""
     from PIL import Image
 
     from .constants import IMAGE_EXTENSIONS

@@ -1,14 +1,14 @@
 """Tables and summaries of finished runs: pure functions of run directories.
 
-The notebooks print these tables; the plots in
-:mod:`ddpnb.plot` draw from the same functions, so a number in a table and the bar
-that shows it come from one place. Nothing here imports torch.
+The notebooks print these tables; the plots in :mod:`ddpnb.plot` draw from the same
+functions, so a number in a table and the bar that shows it come from one place. Nothing
+here imports torch.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from .metrics import RunMetrics, load_metrics
@@ -55,27 +55,23 @@ def _cell(value) -> str:
 
 
 def as_metrics(run: RunLike) -> RunMetrics:
-    """The RunMetrics of a run directory, a :class:`~ddpnb.Job` or RunMetrics itself.
-
-    Example
-    -------
-    >>> as_metrics("runs/ddp").final["val_acc"]   # doctest: +SKIP
-    0.97
-    """
+    """The RunMetrics of a run directory, a :class:`~ddpnb.Job` or RunMetrics itself."""
     if isinstance(run, RunMetrics):
         return run
     return load_metrics(getattr(run, "run_dir", run))
 
 
-def _labelled(runs, labels: Sequence[str] | None = None) -> dict[str, RunMetrics]:
-    """``{label: RunMetrics}`` from one run, a sequence of runs or a mapping."""
+def _labelled(
+    runs, labels: Sequence[str] | None = None, name: Callable = lambda m: m.run_dir.name
+) -> list[tuple[str, RunMetrics]]:
+    """``(label, RunMetrics)`` pairs of one run, a sequence of runs or a ``{label: run}``
+    mapping; without ``labels``, ``name`` labels each run."""
     if isinstance(runs, Mapping):
-        return {str(label): as_metrics(run) for label, run in runs.items()}
+        return [(str(label), as_metrics(run)) for label, run in runs.items()]
     if isinstance(runs, (str, os.PathLike, RunMetrics)) or hasattr(runs, "run_dir"):
         runs = [runs]
     metrics = [as_metrics(r) for r in runs]
-    labels = list(labels) if labels is not None else [m.run_dir.name for m in metrics]
-    return dict(zip(labels, metrics))
+    return list(zip(list(labels) if labels is not None else map(name, metrics), metrics))
 
 
 def rank_table(
@@ -88,20 +84,14 @@ def rank_table(
 
     ``runs`` is one run, or a ``{label: run}`` mapping (then a ``run`` column comes
     first). ``last_epoch`` keeps each rank's last record only.
-
-    Example
-    -------
-    >>> print(rank_table("runs/ddp", last_epoch=True))                           # doctest: +SKIP
-    >>> rank_table({"correct": "runs/ok", "no sampler": "runs/bad"}, ["train_samples"])  # doctest: +SKIP
     """
     keys = list(keys)
-    labelled = isinstance(runs, Mapping)
     table = Table()
-    for label, m in _labelled(runs).items():
+    for label, m in _labelled(runs):
         rows = []
         for rank, records in m.ranks.items():
             for rec in records[-1:] if last_epoch else records:
-                row = {"run": label} if labelled else {}
+                row = {"run": label} if isinstance(runs, Mapping) else {}
                 row |= {"epoch": rec.get("epoch"), "rank": rank}
                 rows.append(row | {k: rec.get(k, "") for k in keys})
         table.extend(sorted(rows, key=lambda r: (r["epoch"] or 0, r["rank"])))
@@ -111,12 +101,7 @@ def rank_table(
 def epoch_table(
     run: RunLike, keys: Iterable[str] = ("restart_count", "train_loss", "val_loss", "val_acc")
 ) -> Table:
-    """One row per recorded epoch (``metrics.jsonl``) with those keys.
-
-    Example
-    -------
-    >>> print(epoch_table("runs/fault", ["restart_count", "val_acc"]))   # doctest: +SKIP
-    """
+    """One row per recorded epoch (``metrics.jsonl``) with those keys."""
     keys = list(keys)
     return Table(
         {"epoch": e["epoch"], **{k: e.get(k, "") for k in keys}} for e in as_metrics(run).epochs
@@ -127,16 +112,10 @@ def run_table(
     runs: Mapping[str, RunLike],
     keys: Iterable[str] = ("world_size", "images_per_second", "val_acc"),
 ) -> Table:
-    """One row per run: those keys of its last epoch.
-
-    Example
-    -------
-    >>> print(run_table({"baseline": "runs/baseline", "DDP": "runs/ddp"}))   # doctest: +SKIP
-    """
+    """One row per run: those keys of its last epoch."""
     keys = list(keys)
     return Table(
-        {"run": label, **{k: m.final.get(k, "") for k in keys}}
-        for label, m in _labelled(runs).items()
+        {"run": label, **{k: m.final.get(k, "") for k in keys}} for label, m in _labelled(runs)
     )
 
 
@@ -145,22 +124,9 @@ def samples_seen(run: RunLike) -> dict[str, int]:
 
     The validation sum equals the split exactly when each image is counted once; the
     training sum may exceed the split by ``DistributedSampler``'s padding.
-
-    Example
-    -------
-    >>> samples_seen("runs/ddp")   # doctest: +SKIP
-    {'train': 1438, 'val': 360}
     """
     last = [records[-1] for records in as_metrics(run).ranks.values() if records]
     return {split: sum(r[f"{split}_samples"] for r in last) for split in ("train", "val")}
-
-
-def _time_split(ranks: dict[int, list[dict]]) -> tuple[float, float]:
-    """(communication seconds, all seconds) summed over each rank's last record."""
-    last = [records[-1] for records in ranks.values() if records]
-    comm = sum(r.get("comm_seconds", 0.0) for r in last)
-    parts = ("data_wait_seconds", "compute_seconds", "comm_seconds")
-    return comm, sum(r.get(k, 0.0) for r in last for k in parts)
 
 
 def scaling_table(
@@ -180,12 +146,14 @@ def scaling_table(
     1x2              2       252        0.81                 0.19   0.9667
     """
     labelled = _labelled(runs, labels)
-    first = next(iter(labelled.values()), None)
-    base = (first.final.get("images_per_second") if first else None) or 1.0
+    base = (labelled[0][1].final.get("images_per_second") if labelled else None) or 1.0
     table = Table()
-    for label, m in labelled.items():
+    for label, m in labelled:
         ips = m.final.get("images_per_second", 0.0)
-        comm, busy = _time_split(m.ranks)
+        last = [records[-1] for records in m.ranks.values() if records]
+        comm = sum(r.get("comm_seconds", 0.0) for r in last)
+        parts = ("data_wait_seconds", "compute_seconds", "comm_seconds")
+        busy = sum(r.get(k, 0.0) for r in last for k in parts)
         table.append(
             {
                 "layout": label,
@@ -200,13 +168,7 @@ def scaling_table(
 
 
 def same_weights(a: RunLike, b: RunLike) -> bool:
-    """Whether two runs hold bit-identical parameters after every epoch (rank 0's checksums).
-
-    Example
-    -------
-    >>> same_weights("runs/scaling/1x2", "runs/scaling/1x2-gloo")   # doctest: +SKIP
-    True
-    """
+    """Whether two runs hold bit-identical parameters after every epoch (rank 0's checksums)."""
     sums = [[r["param_checksum"] for r in as_metrics(run).ranks.get(0, [])] for run in (a, b)]
     return bool(sums[0]) and sums[0] == sums[1]
 
@@ -216,11 +178,6 @@ def run_figures(run: RunLike | None, prefix: str = "") -> dict:
 
     ``run=None`` (a run that is missing) gives the same keys with ``None`` values.
     ``prefix`` goes in front of every key.
-
-    Example
-    -------
-    >>> run_figures("runs/ddp", prefix="ddp_")["ddp_val_acc"]   # doctest: +SKIP
-    0.97
     """
     keys = ("val_acc", "images_per_second", "train_seconds", "epochs", "world_size")
     if run is None:
@@ -235,13 +192,7 @@ def node_log_lines(
     run: RunLike, words: Iterable[str] = (), *, head: int = 0, width: int | None = None
 ) -> str:
     """Lines of every node's log (``logs/node-<n>.log``): the first ``head``, then
-    those that contain any of ``words``; each cut to ``width`` characters.
-
-    Example
-    -------
-    >>> print(node_log_lines(job, head=1))                            # doctest: +SKIP
-    >>> print(node_log_lines(job, ["restart", "resumed from"], width=160))  # doctest: +SKIP
-    """
+    those that contain any of ``words``; each cut to ``width`` characters."""
     words = list(words)
     logs = Path(getattr(run, "run_dir", run)) / "logs"  # a Job and RunMetrics have run_dir
     out = []

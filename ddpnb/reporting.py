@@ -1,8 +1,8 @@
 """Report a training script's progress to ddpnb: one small file, stdlib only.
 
-ddpnb places this file beside every script it launches, as ``ddpnb_reporting.py``.
-A script may import it and report its steps and epochs; every rank may call it, and
-only global rank 0 writes::
+ddpnb places this file beside every script it launches, as ``ddpnb_reporting.py``. Every
+rank may call it and only global rank 0 writes; launched by anything else (plain
+``torchrun``, ``python script.py``) every call does nothing::
 
     import ddpnb_reporting as report
 
@@ -12,14 +12,8 @@ only global rank 0 writes::
             report.step(step, len(loader), epoch=epoch, epochs=epochs, loss=loss.item())
         report.epoch(epoch, train_loss=train_loss, val_loss=val_loss, val_acc=val_acc)
 
-ddpnb's panel then shows step and epoch bars and live curves, and ``load_metrics``,
-``plot_curves`` and the report tables read the run. Launched by anything else (plain
-``torchrun``, ``python script.py``) every call does nothing, so the script runs
-unchanged everywhere. ddpnb's own worker reports through this file too.
-
-Files, in the run directory (``DDPNB_RUN_DIR``): ``progress.json`` (the latest step,
-replaced atomically) and ``metrics.jsonl`` (a JSON object per epoch).
-
+It writes ``progress.json`` (the latest step, replaced atomically) and ``metrics.jsonl``
+(a row per epoch) into ``DDPNB_RUN_DIR``, for ddpnb's panel, plots and report tables.
 Two things ride on ``step()``, on every rank, so a script needs no more than that call:
 
 - ``DDPNB_FAULT`` (a teaching and testing aid, notebook 04): ``rank=1,epoch=3,step=5``
@@ -91,11 +85,18 @@ def step(step: int, steps: int, *, epoch: int = 1, epochs: int = 1, loss=None) -
         _state["first_step_time"] = time.time()
         _state["fault"] = _this_process_fault()  # read once: the steps only compare numbers
         _state["under_torchrun"] = "TORCHELASTIC_RUN_ID" in os.environ
-    if _state["under_torchrun"]:
-        _check_agent()
+    if _state["under_torchrun"] and os.getppid() != _state["agent_pid"]:
+        raise RuntimeError(
+            f"The torchrun agent (pid {_state['agent_pid']}) of node "
+            f"{os.environ.get('GROUP_RANK', '?')} is gone: this node is lost, so its worker "
+            "stops too. Relaunch with resume=True."
+        )
     fault = _state["fault"]
     if fault is not None and (fault["epoch"], fault["step"]) == (epoch, step):
-        _inject_fault(fault, step, epoch)
+        print(f"{FAULT_ENV}: {fault['mode']} at epoch {epoch} step {step}", flush=True)
+        if fault["mode"] == "raise":
+            raise RuntimeError(f"{FAULT_ENV} injected failure at epoch {epoch} step {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
     now = time.monotonic()
     if run_dir() is None or (now - _state["last"] < INTERVAL and step < steps):
         return
@@ -130,28 +131,9 @@ def _this_process_fault() -> dict | None:
     return fault if fault and (fault["rank"], fault["restart"]) == here else None
 
 
-def _inject_fault(fault: dict, step: int, epoch: int) -> None:
-    print(f"{FAULT_ENV}: {fault['mode']} at epoch {epoch} step {step}", flush=True)
-    if fault["mode"] == "raise":
-        raise RuntimeError(f"{FAULT_ENV} injected failure at epoch {epoch} step {step}")
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _check_agent() -> None:
-    if os.getppid() != _state["agent_pid"]:
-        raise RuntimeError(
-            f"The torchrun agent (pid {_state['agent_pid']}) of node "
-            f"{os.environ.get('GROUP_RANK', '?')} is gone: this node is lost, so its worker "
-            "stops too. Relaunch with resume=True."
-        )
-
-
 def epoch(epoch: int, **metrics: float) -> None:
     """Epoch ``epoch`` is done: one row of ``metrics.jsonl`` (``train_loss``, ``val_acc``, ...).
-
-    Reduce the numbers over all ranks first (sums and counts, then divide): rank 0
-    writes what it is given.
-    """
+    Reduce the numbers over all ranks first (sums and counts, then divide)."""
     folder = run_dir()
     if folder is None:
         return

@@ -28,13 +28,8 @@ def worker_source(*names: str) -> str:
     """The exact text of the named top-level functions or classes of the worker.
 
     Each definition is a slice of ``ddpnb/worker.py`` from its first decorator to its
-    last line; several are joined by one blank line, in the order asked for.
-
-    Raises
-    ------
-    ValueError
-        When no name is given or a name is not defined at the worker's top level; the
-        message lists the names that are.
+    last line; several are joined by one blank line, in the order asked for. No name, or
+    one the worker does not define at top level, is a ValueError listing those it does.
 
     Example
     -------

@@ -66,23 +66,12 @@ def wrap_command(line: str, width: int = WIDTH) -> str:
 
 def wrap_commands(text: str, width: int = WIDTH) -> str:
     """Every line of ``text`` that is longer than ``width`` through :func:`wrap_command`;
-    comments and short lines as they are. For printing node commands in a notebook.
-
-    Example
-    -------
-    >>> print(wrap_commands(ddpnb.cluster.format_node_commands(hosts, commands)))  # doctest: +SKIP
-    """
+    comments and short lines as they are. For printing node commands in a notebook."""
     return "\n".join(wrap_command(line, width) for line in text.splitlines())
 
 
 def diff(before: str | os.PathLike, after: str | os.PathLike) -> str:
-    """The unified diff of two text files: what changed from ``before`` to ``after``.
-
-    >>> print(diff("train.py", "train_ddp.py"))      # doctest: +SKIP
-    --- train.py
-    +++ train_ddp.py
-    ...
-    """
+    """The unified diff of two text files: what changed from ``before`` to ``after``."""
     a, b = Path(before), Path(after)
     lines = difflib.unified_diff(
         a.read_text().splitlines(True), b.read_text().splitlines(True), str(a), str(b)

@@ -1,17 +1,13 @@
 """ddpnb's training worker: image classification with DistributedDataParallel.
 
-How to read this file: Part 1 is DDP, top to bottom, and it is what runs. ``main()`` is a
-list of steps (who am I, the process group, the data with its ``DistributedSampler``, the
-model in DDP, the epoch loop with exact validation, rank 0's checkpoint), each a short
-function after it. Part 2, below its banner, holds what a DDP tutorial leaves out: the
-same dataset on every node, augmentation, averaging gradients through shared memory,
-checkpoint guards and each rank's records.
+Part 1 is DDP, top to bottom: ``main()`` lists the steps, each a short function after it.
+Part 2 holds what a DDP tutorial leaves out: the same dataset on every node, augmentation,
+averaging gradients through shared memory, checkpoint guards and each rank's records.
 
-It needs torch, torchvision and the Python standard library, and two stdlib files ddpnb
-places beside it: ``ddpnb_constants.py`` (what it shares with the package) and
-``ddpnb_reporting.py`` (progress for ddpnb's panel; it does nothing when run elsewhere).
-ddpnb writes them with ``config.json`` into the run directory; the outputs
-(``metrics.jsonl``, ``ranks/``, ``checkpoints/``, ``progress.json``) go there too.
+It needs torch, torchvision and two stdlib files ddpnb writes beside it with
+``config.json``: ``ddpnb_constants.py`` (what it shares with the package) and
+``ddpnb_reporting.py`` (progress for ddpnb's panel; a no-op elsewhere). The outputs
+(``metrics.jsonl``, ``ranks/``, ``checkpoints/``, ``progress.json``) go to the run directory.
 
 One node, two processes::
 
@@ -351,9 +347,8 @@ class Data:
     @property
     def images(self) -> str:
         """Which way the images are read: make_data's faster path or the classic one."""
-        if isinstance(self.train_loader.dataset, DecodedImages):
-            return "decoded in memory"
-        return "decoded per load"
+        decoded = isinstance(self.train_loader.dataset, DecodedImages)
+        return "decoded in memory" if decoded else "decoded per load"
 
 
 # -- the process: device, threads, the rendezvous store, the same dataset everywhere -----
@@ -381,11 +376,8 @@ def pick_device(cfg: dict, me: Rank) -> torch.device:
 
 
 def cpu_share(me: Rank) -> int:
-    """Threads for this process: the host's cores over the processes sharing them.
-
-    ``DDPNB_PROCS_ON_HOST`` (set by ddpnb's launcher) counts every process on this host,
-    simulated nodes included; by hand it is this node's ``LOCAL_WORLD_SIZE``.
-    """
+    """Threads for this process: the host's cores over the processes sharing them
+    (``DDPNB_PROCS_ON_HOST``, set by ddpnb's launcher, counts simulated nodes too)."""
     return constants.threads_for_host(
         int(os.environ.get("DDPNB_PROCS_ON_HOST", me.local_world_size))
     )
@@ -395,13 +387,10 @@ def attempt_store(restart_count: int, timeout: datetime.timedelta) -> dist.Store
     """The store torchrun shares with the workers, seen through a prefix per attempt."""
     # torchrun's static rendezvous keeps one store for every attempt: after a restart the
     # new workers would read the dead workers' addresses from it and hang. A prefix per
-    # attempt gives each attempt clean keys, if every node agrees on the attempt.
-    # TORCHELASTIC_RESTART_COUNT counts the restarts of this node's agent after its own
-    # workers failed, not the run's. Static rendezvous (ddpnb's simulated nodes, SSH
-    # hosts): a failure breaks every node's collectives, so every node's workers fail and
-    # each agent counts it once; the prefixes agree. c10d (ddpnb's Slurm script): an agent
-    # also restarts healthy workers, uncounted, when a failed node rejoins, so the counts
-    # can differ, and ranks with different prefixes wait for each other until the timeout.
+    # attempt gives clean keys if every node agrees on TORCHELASTIC_RESTART_COUNT (its
+    # agent's restarts). Static rendezvous: a failure fails every node's workers, each
+    # agent counts it once, the prefixes agree. c10d (Slurm): an agent also restarts healthy
+    # workers, uncounted, when a failed node rejoins; differing prefixes then time out.
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
@@ -441,13 +430,12 @@ def batch_sums(loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> tor
 
 
 class Records:
-    """This rank's row in ``ranks/`` every epoch, rank 0's ``metrics.jsonl`` row (through
-    the reporting file) and ``effective_config.json``.
+    """This rank's row in ``ranks/`` every epoch, rank 0's ``metrics.jsonl`` row and
+    ``effective_config.json``.
 
-    Timings come from hooks, not from the training loop: a forward pre-hook marks when a
-    batch is ready, the optimizer's step hooks when backward returned and when the step
-    ended, and the comm hook (``COMM``) the time spent on gradients. Per epoch, the time
-    outside forward-to-step is data wait; the exposed gradient time is communication.
+    Timings come from hooks, not the loop: a forward pre-hook marks a batch ready, the
+    optimizer's step hooks the end of backward and of the step, and the comm hook (``COMM``)
+    the exposed gradient time (communication). The rest of an epoch is data wait.
     """
 
     def __init__(self, cfg, me, run_dir, data, start_epoch, model, optimizer, weights_note):
@@ -504,7 +492,7 @@ class Records:
             "restart_count": me.restart_count,
         }
         text = json.dumps(effective, indent=2) + "\n"
-        atomic_write_bytes(self.run_dir / "effective_config.json", text.encode())
+        atomic_write(self.run_dir / "effective_config.json", lambda f: f.write(text.encode()))
         me.log(
             f"{cfg['model']} ({weights_note}), {data.num_classes} classes, augment "
             f"{data.augment}, images {data.images}, {data.steps_per_epoch} steps/epoch, global batch "
@@ -516,6 +504,8 @@ class Records:
         me, sampler = self.me, self.data.train_loader.sampler
         local_train, local_val = round(train_sums[2].item()), round(val_sums[2].item())
         rank_loss, rank_acc = (val_sums[:2] / val_sums[2].clamp(min=1)).tolist()
+        # The order this rank drew (a DistributedSampler's; None for any other sampler).
+        order = ",".join(map(str, sampler)) if hasattr(sampler, "set_epoch") else None
         row = {
             "epoch": epoch,
             "global_rank": me.global_rank,
@@ -532,10 +522,10 @@ class Records:
             "threads": torch.get_num_threads(),
             "val_loss": rank_loss,  # this rank's own shard: the mean of means' ingredients
             "val_acc": rank_acc,
-            # The order this rank drew (a DistributedSampler's; None for any other sampler).
-            "order_hash": index_order_hash(sampler) if hasattr(sampler, "set_epoch") else None,
+            "order_hash": None if order is None else short_hash(order.encode()),
             "param_checksum": parameter_checksum(self.model),  # equal on every rank
-            "rng_checksum": rng_checksum(),  # the stream augmentation draws from: per rank
+            # The stream augmentation draws from: per rank.
+            "rng_checksum": short_hash(torch.get_rng_state().numpy().tobytes()),
         }
         append_jsonl(self.rank_path, row)
         self.busy = self.comm = 0.0
@@ -563,12 +553,8 @@ COMM = {"blocked": 0.0, "returned": None, "route": "none (one process)"}  # the 
 
 
 def gradient_hook(cfg: dict, me: Rank, device: torch.device):
-    """The comm hook wrap_model registers, as config.comm_hook asks, timed into ``COMM``.
-
-    ``auto``: shared memory when every rank shares this host's /dev/shm (CPU, gloo), else
-    the backend's all-reduce; ``shm`` insists on shared memory; ``none`` is the plain
-    all-reduce; ``bf16``/``fp16`` compress the all-reduce.
-    """
+    """The comm hook wrap_model registers, as config.comm_hook asks, timed into ``COMM``:
+    ``auto`` is shared memory where every rank shares /dev/shm (CPU), else the all-reduce."""
     shm = None
     if cfg["comm_hook"] in ("auto", "shm") and device.type == "cpu":
         shm = SharedMemoryAllReduce.create()
@@ -588,15 +574,12 @@ def gradient_hook(cfg: dict, me: Rank, device: torch.device):
 class SharedMemoryAllReduce:
     """Averages DDP gradient buckets through shared memory when all ranks share a host.
 
-    gloo pushes every bucket through the kernel's TCP loopback, and on a small host that
-    copying competes with compute (about 40 ms per step for resnet18 here). Ranks on one
-    host can read each other's memory instead, as NCCL does within a node: every rank
-    copies the slices the others own into a shared file in /dev/shm, sums its own slice
-    from everybody's copies, and copies the summed slices back. The sum is the same as
-    gloo's (bit for bit at two ranks). Two one-element gloo all-reduces per bucket keep
-    the ranks in step, so a dead or hung rank still fails the run within the timeout.
-
-    Use :meth:`create`, which returns ``None`` when the ranks do not share /dev/shm.
+    gloo pushes every bucket through the kernel's TCP loopback, which on a small host
+    competes with compute (about 40 ms per step for resnet18 here). As NCCL does within a
+    node, every rank copies the slices the others own into a file in /dev/shm, sums its own
+    slice from everybody's copies, and copies the summed slices back: gloo's sum (bit for
+    bit at two ranks). Two one-element gloo all-reduces per bucket keep the ranks in step,
+    so a dead or hung rank still fails the run within the timeout. Make it with ``create``.
     """
 
     SHM_DIR = Path("/dev/shm")
@@ -701,22 +684,17 @@ class SharedMemoryAllReduce:
 
 
 def timed_comm_hook(compression: str, shared: SharedMemoryAllReduce | None = None):
-    """A DDP comm hook that all-reduces each gradient bucket and notes the time it takes.
+    """A DDP comm hook that all-reduces each gradient bucket (``compression``: none, bf16,
+    fp16; or through ``shared`` memory) and notes the time it takes.
 
-    ``compression`` is ``none``/``bf16``/``fp16`` for gloo's or NCCL's all-reduce; with
-    ``shared`` the buckets are averaged through shared memory instead. The state is a
-    dict: ``blocked`` sums the seconds spent inside the hook (the shared-memory path works
-    there, in backward's thread) and ``returned`` is when the last bucket was handed
-    over. Backward's time after that was spent waiting for asynchronous all-reduces, so
-    the exposed communication of a step is ``blocked`` plus that wait.
+    In the state dict, ``blocked`` sums the seconds inside the hook (the shared-memory path
+    works there) and ``returned`` is when the last bucket was handed over; backward's wait
+    after that, for asynchronous all-reduces, is exposed communication too.
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    inner = {
-        "none": default_hooks.allreduce_hook,
-        "bf16": default_hooks.bf16_compress_hook,
-        "fp16": default_hooks.fp16_compress_hook,
-    }[compression]
+    name = "allreduce_hook" if compression == "none" else f"{compression}_compress_hook"
+    inner = getattr(default_hooks, name)
 
     def hook(state: dict, bucket):
         start = time.perf_counter()
@@ -733,12 +711,9 @@ def timed_comm_hook(compression: str, shared: SharedMemoryAllReduce | None = Non
 
 
 def no_forward_buffer_sync() -> dict:
-    """DDP's keyword for "do not broadcast buffers before every forward".
-
-    torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (the old name
-    warns on every rank). The new flag still syncs buffers once at construction, which
-    changes nothing here: every rank builds the same model from the same seed.
-    """
+    """DDP's keyword for "do not broadcast buffers before every forward": torch 2.13 renamed
+    ``broadcast_buffers`` (which now warns) to ``forward_sync_buffers``. That one still syncs
+    once at construction, which changes nothing: every rank builds the same model."""
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
@@ -752,12 +727,9 @@ def image_folders(cfg: dict, me: Rank, data_dir: Path):
     augment, augment_reason = resolve_augment(cfg, data_dir)
     if me.master_process:
         me.log(f"augment {augment_reason}")
-    train_tf, val_tf = loader_transforms(augment, cfg["image_size"])
-    train_set = torchvision.datasets.ImageFolder(
-        data_dir / "train", transform=train_tf, loader=load_image
-    )
-    val_set = torchvision.datasets.ImageFolder(
-        data_dir / "val", transform=val_tf, loader=load_image
+    train_set, val_set = (
+        torchvision.datasets.ImageFolder(data_dir / split, transform=tf, loader=load_image)
+        for split, tf in zip(("train", "val"), loader_transforms(augment, cfg["image_size"]))
     )
     if train_set.classes != val_set.classes:
         raise ValueError(f"train/ and val/ of {data_dir} hold different classes.")
@@ -778,20 +750,13 @@ def sample_images(split_dir: Path, count: int) -> list[Path]:
         sorted(p for p in d.iterdir() if p.suffix.lower() in constants.IMAGE_EXTENSIONS)
         for d in classes
     ]
-    chosen: list[Path] = []
-    depth = 0
-    while len(chosen) < count and any(len(files) > depth for files in per_class):
-        chosen += [files[depth] for files in per_class if len(files) > depth]
-        depth += 1
-    return chosen[:count]
+    in_turn = itertools.chain.from_iterable(itertools.zip_longest(*per_class))  # by class
+    return [p for p in in_turn if p is not None][:count]
 
 
 def resolve_augment(cfg: dict, data_dir: Path) -> tuple[str, str]:
-    """The augmentation to train with, and a one-line reason for the choice.
-
-    ``auto`` is "digits" for ddpnb's prepared digits, "photo" for colour images whose
-    short side is at least PHOTO_MIN_SIDE, and "none" for everything else.
-    """
+    """The augmentation to train with, and a one-line reason: ``auto`` is "digits" for
+    ddpnb's digits, "photo" for colour images of short side >= PHOTO_MIN_SIDE, else "none"."""
     if cfg["augment"] != "auto":
         return cfg["augment"], f"{cfg['augment']}: set in the config"
     try:
@@ -825,23 +790,17 @@ def resolve_augment(cfg: dict, data_dir: Path) -> tuple[str, str]:
 
 def loader_transforms(augment: str, size: int) -> tuple[transforms.Compose, transforms.Compose]:
     """The classic per-sample torchvision pipelines (train, val)."""
+    fit = [transforms.Resize(size), transforms.CenterCrop(size)]
     tail = [
         transforms.ToTensor(),
         transforms.Normalize(constants.IMAGENET_MEAN, constants.IMAGENET_STD),
     ]
-    val = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), *tail])
+    train = fit
     if augment == "photo":
         train = [transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip()]
-    elif augment == "digits":
-        # No flips: a mirrored digit is another shape.
-        train = [
-            transforms.Resize(size),
-            transforms.CenterCrop(size),
-            transforms.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)),
-        ]
-    else:
-        train = [transforms.Resize(size), transforms.CenterCrop(size)]
-    return transforms.Compose([*train, *tail]), val
+    elif augment == "digits":  # no flips: a mirrored digit is another shape
+        train = [*fit, transforms.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1))]
+    return transforms.Compose([*train, *tail]), transforms.Compose([*fit, *tail])
 
 
 # The faster path: at most this many bytes of decoded images per process (DataLoader
@@ -862,10 +821,9 @@ def decoded_in_memory(train_set, val_set, cfg: dict, augment: str):
 class DecodedImages(torch.utils.data.Dataset):
     """An ImageFolder's images kept decoded (uint8) and transformed a batch at a time.
 
-    The same transforms as ``loader_transforms`` for augment "none" and "digits": resize
-    and centre-crop (once, when an image is first decoded), the random affine, then the
-    normalisation. The DataLoader asks for a batch's indices together (``__getitems__``),
-    so the random part and the normalisation are one call over the batch.
+    ``loader_transforms`` for augment "none" and "digits": resize and centre-crop once, at
+    the first decode; the random affine and normalisation as one call per batch (the
+    DataLoader asks for a batch's indices together, ``__getitems__``).
     """
 
     def __init__(self, folder: torchvision.datasets.ImageFolder, size: int, augment: str):
@@ -924,10 +882,7 @@ def load_image(path: str):
 
 def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     """Give a torchvision classifier a fresh final layer with num_classes outputs."""
-    if isinstance(getattr(model, "fc", None), nn.Linear):  # ResNet, RegNet, GoogLeNet...
-        model.fc = nn.Linear(model.fc.in_features, num_classes)
-        return model
-    for owner_name in ("classifier", "heads", "head"):
+    for owner_name in ("fc", "classifier", "heads", "head"):  # fc: ResNet, RegNet, GoogLeNet...
         owner = getattr(model, owner_name, None)
         if isinstance(owner, nn.Linear):
             setattr(model, owner_name, nn.Linear(owner.in_features, num_classes))
@@ -975,8 +930,8 @@ def load_local_weights(model: nn.Module, path: str) -> list[str]:
 
 def build_model(cfg: dict, num_classes: int) -> tuple[nn.Module, str]:
     weights = cfg["weights"]
-    note = "random init"
-    if weights is not None and weights != "DEFAULT" and not Path(weights).is_file():
+    local = weights not in (None, "DEFAULT")
+    if local and not Path(weights).is_file():
         raise FileNotFoundError(f"weights file {weights!r} does not exist.")
     try:
         model = torchvision.models.get_model(
@@ -988,10 +943,9 @@ def build_model(cfg: dict, num_classes: int) -> tuple[nn.Module, str]:
             "available: pass weights=None to train from scratch, or the path of a local "
             "state-dict file."
         ) from e
-    if weights == "DEFAULT":
-        note = "torchvision DEFAULT weights"
+    note = "torchvision DEFAULT weights" if weights == "DEFAULT" else "random init"
     replace_head(model, num_classes)
-    if weights not in (None, "DEFAULT"):
+    if local:
         skipped = load_local_weights(model, weights)
         note = f"weights from {weights}" + (f" (head re-initialised: {skipped})" if skipped else "")
     if cfg["channels_last"]:  # NHWC: faster convolutions on recent GPUs (slower on CPU here)
@@ -1026,9 +980,8 @@ def make_sgd(params, cfg: dict) -> torch.optim.Optimizer:
 def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
     """Load the last checkpoint, if any (also after a torchrun restart): the first epoch to run.
 
-    Only global rank 0 writes checkpoints, so only node 0's disk surely holds the last one
-    (hosts without a shared folder each have their own run directory): rank 0 reads it and
-    sends it to every rank, and every rank continues from the same state.
+    Only node 0's disk surely holds it (hosts without a shared folder each have their own
+    run directory): rank 0 reads it and sends it to every rank.
     """
     ckpt = None
     if me.master_process and path.exists():
@@ -1052,16 +1005,13 @@ def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
     return ckpt["epoch"] + 1
 
 
-def checkpoint_config(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in constants.RESUMABLE_KEYS}
-
-
 def check_checkpoint_fits(ckpt: dict, path: Path, cfg: dict, fingerprint: str) -> None:
     """Refuse a checkpoint written with another config, or trained on another dataset."""
     # A field the checkpoint predates (written by an older ddpnb) is not compared
     # here; the launcher has compared it with that field's default.
+    kept = ckpt["config"]
     changed = sorted(
-        k for k in checkpoint_config(cfg) if k in ckpt["config"] and ckpt["config"][k] != cfg[k]
+        k for k in cfg if k not in constants.RESUMABLE_KEYS and k in kept and kept[k] != cfg[k]
     )
     if changed:
         raise RuntimeError(
@@ -1080,15 +1030,9 @@ def check_checkpoint_fits(ckpt: dict, path: Path, cfg: dict, fingerprint: str) -
 def write_checkpoint(ckpt: dict, path: Path, epoch: int) -> None:
     """torch.save via a temp file, fsync and rename; a failed write keeps the previous one."""
     path.parent.mkdir(exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # the previous checkpoint survives a failed write
+        atomic_write(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as e:  # torch.save wraps write errors
-        tmp.unlink(missing_ok=True)
         kept = "is kept intact" if path.exists() else "does not exist yet"
         free = shutil.disk_usage(path.parent).free
         raise OSError(
@@ -1121,20 +1065,18 @@ def set_rng_state(state: dict, use_cuda: bool) -> None:
 # -- files: written whole or appended and synced, hashes ---------------------------------
 
 
-def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
-    """Write via a temp file, fsync and rename, so readers never see half a file.
-
-    ``durable=False`` skips the fsync: the rename alone keeps readers safe, and the live
-    progress file, rewritten 4 times a second, need not survive a power cut (an fsync
-    there stalls rank 0, and with it every rank, at the next all-reduce).
-    """
+def atomic_write(path: Path, write) -> None:
+    """``write(file)`` into a temp file, fsync and rename: readers never see half a file,
+    and a failed write leaves the previous one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-    os.replace(tmp, path)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def append_jsonl(path: Path, record_: dict) -> None:
@@ -1151,17 +1093,13 @@ def keep_epochs_upto(path: Path, last_epoch: int) -> None:
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
     kept = [ln for ln in lines if json.loads(ln)["epoch"] <= last_epoch]
     if len(kept) != len(lines):
-        atomic_write_bytes(path, "".join(ln + "\n" for ln in kept).encode())
+        text = "".join(ln + "\n" for ln in kept)
+        atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def index_order_hash(indices) -> str:
-    """16 hex digits of sha256 over an index order: equal orders, equal hashes."""
-    return hashlib.sha256(",".join(map(str, indices)).encode()).hexdigest()[:16]
-
-
-def rng_checksum() -> str:
-    """16 hex digits of sha256 over this process's torch random generator state."""
-    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+def short_hash(data: bytes) -> str:
+    """16 hex digits of sha256: equal data (an index order, an RNG state), equal hashes."""
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def parameter_checksum(model: nn.Module) -> str:
