@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import ddpnb  # noqa: E402
 from ddpnb.metrics import read_progress  # noqa: E402
 from ddpnb.preflight import free_port  # noqa: E402
-from ddpnb.script import worker_script  # noqa: E402
+from ddpnb.script import Script  # noqa: E402
 from ddpnb.source import WORKER_PATH  # noqa: E402
 
 REFERENCE = HERE / "reference_ddp.py"
@@ -127,7 +127,7 @@ def ddpnb_run(
         data_dir=str(data), image_size=32, epochs=epochs, max_steps_per_epoch=22, **cfg
     )
     t0 = time.time()
-    what = worker_script(config, worker) if worker else config
+    what = Script.worker(config, worker) if worker else config
     job = ddpnb.launch(
         what,
         run_dir,

@@ -13,7 +13,7 @@ from typing import Any
 from .config import TrainConfig
 from .errors import ConfigError
 from .preflight import as_config
-from .script import Script, worker_script
+from .script import Script
 from .topology import Topology
 
 FINGERPRINT_NOTE = (
@@ -57,7 +57,7 @@ def node_commands(
     >>> cmds[1].split()[:3]
     ['torchrun', '--nnodes=2', '--node_rank=1']
     """
-    script = what if isinstance(what, Script) else worker_script(as_config(what))
+    script = what if isinstance(what, Script) else Script.worker(as_config(what))
     hosts = list(hosts)
     if not hosts or not all(isinstance(h, str) and h for h in hosts):
         raise ConfigError("hosts must be a non-empty list of host names or addresses.")

@@ -106,7 +106,7 @@ def save_figures(notebook: Path, folder: Path) -> None:
 def summary_lines(out: Path) -> list[str]:
     """The key figures, read from the run directories the notebooks wrote under ``out``."""
     from .metrics import load_metrics
-    from .report import same_weights, scaling_table
+    from .tables import same_weights, scaling_table
 
     def final(name: str) -> dict | None:
         run = out / name

@@ -9,7 +9,6 @@ the mistake where it can see it. The correct worker holds no switch for any of t
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,9 +17,10 @@ from matplotlib.figure import Figure
 
 from .config import TrainConfig
 from .errors import ConfigError
-from .report import as_metrics
-from .script import Script, worker_script
+from .script import Script
 from .source import WORKER_PATH
+from .tables import as_metrics
+from .text import diff
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,16 +115,10 @@ def variant(name: str) -> str:
     return "".join(lines)
 
 
-def diff(name: str, context: int = 1) -> str:
+def edit(name: str, context: int = 1) -> str:
     """The edit that makes pitfall ``name``, as a unified diff of ``train_ddp.py``."""
-    lines = difflib.unified_diff(
-        WORKER_PATH.read_text().splitlines(True),
-        variant(name).splitlines(True),
-        "train_ddp.py",
-        f"train_ddp.py ({name})",
-        n=context,
-    )
-    return "".join(lines)
+    names = ("train_ddp.py", f"train_ddp.py ({name})")
+    return diff(WORKER_PATH.read_text(), variant(name), context, names)
 
 
 def script(config: TrainConfig, name: str, folder: str | os.PathLike) -> Script:
@@ -133,7 +127,7 @@ def script(config: TrainConfig, name: str, folder: str | os.PathLike) -> Script:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(variant(name))
     # The worker runs in the run directory: a relative data_dir must not depend on that.
-    return worker_script(config.replace(data_dir=os.path.abspath(config.data_dir)), path)
+    return Script.worker(config.replace(data_dir=os.path.abspath(config.data_dir)), path)
 
 
 def _per_epoch_rank_mean(run, key: str) -> list[float]:

@@ -13,7 +13,7 @@ from .errors import ConfigError
 from .hang import hooks_payload, watch_env
 from .preflight import as_config, check_progress, check_run
 from .reporting import FAULT_ENV, RUN_DIR_ENV, parse_fault
-from .script import Script, worker_script
+from .script import Script
 
 HANG_TIMEOUT = 60.0  # seconds without progress, waiting in a collective
 WATCH_INTERVAL = 2.0  # seconds between a worker's snapshots of its stack
@@ -50,7 +50,7 @@ class Plan:
         config = None
         if not isinstance(what, Script):
             config = check_run(as_config(what), world_size, here=data_here)
-        script = what if config is None else worker_script(config)
+        script = what if config is None else Script.worker(config)
         script.check()
         if env is not None and not (
             isinstance(env, Mapping)

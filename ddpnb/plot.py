@@ -10,7 +10,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from .report import RunLike, _labelled, rank_table, scaling_table
+from .tables import RunLike, _labelled, rank_table, scaling_table
 
 
 def _runs(runs, labels) -> list:

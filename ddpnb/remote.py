@@ -27,7 +27,6 @@ from .log import logger
 from .network import NetworkReport, check_network
 from .pipeline import AGENT, Processes
 from .preflight import as_config, check_run
-from .report import Table
 from .rundir import PRODUCTS
 from .script import Script
 from .ssh import (
@@ -42,6 +41,7 @@ from .ssh import (
     push,
     remote_line,
 )
+from .tables import Table
 from .topology import Topology, check_meeting_point, check_shape
 
 REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace (5 s)

@@ -11,7 +11,7 @@ from pathlib import Path
 from .config import TrainConfig
 from .constants import RESUMABLE_KEYS
 from .errors import RunDirError
-from .script import worker_script
+from .script import Script
 
 WORKER_NAME = "train_ddp.py"
 # What every run writes besides its script's files (overwrite=True removes both, nothing else).
@@ -33,7 +33,7 @@ def write_worker(config: TrainConfig, run_dir: str | os.PathLike) -> Path:
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name, data in worker_script(config).payload().items():
+    for name, data in Script.worker(config).payload().items():
         (run_dir / name).write_bytes(data)
     return run_dir / WORKER_NAME
 

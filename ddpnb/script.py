@@ -119,24 +119,24 @@ class Script:
         args = [f"{folder}/{a}" if a in self.generated else a for a in self.args]
         return [f"{folder}/{self.name}", *args]
 
+    @classmethod
+    def worker(cls, config, path: str | os.PathLike | None = None) -> Script:
+        """ddpnb's tutorial worker as a Script: ``train_ddp.py --config config.json``.
 
-def worker_script(config, path: str | os.PathLike | None = None) -> Script:
-    """ddpnb's tutorial worker as a Script: ``train_ddp.py --config config.json``.
+        ``path``: another version of the worker to run under that name (notebook 06's pitfalls).
 
-    ``path``: another version of the worker to run under that name (notebook 06's pitfalls).
+        >>> Script.worker(TrainConfig()).command("/runs/a")  # doctest: +SKIP
+        ['/runs/a/train_ddp.py', '--config', '/runs/a/config.json']
+        """
+        from .source import WORKER_PATH
 
-    >>> worker_script(TrainConfig()).command("/runs/a")  # doctest: +SKIP
-    ['/runs/a/train_ddp.py', '--config', '/runs/a/config.json']
-    """
-    from .source import WORKER_PATH
-
-    constants = Path(__file__).with_name("constants.py").read_bytes()
-    return Script(
-        path or WORKER_PATH,
-        args=("--config", "config.json"),
-        rename="train_ddp.py",
-        generated={"config.json": config.to_json().encode(), CONSTANTS_NAME: constants},
-    )
+        constants = Path(__file__).with_name("constants.py").read_bytes()
+        return cls(
+            path or WORKER_PATH,
+            args=("--config", "config.json"),
+            rename="train_ddp.py",
+            generated={"config.json": config.to_json().encode(), CONSTANTS_NAME: constants},
+        )
 
 
 def _place(path: str | os.PathLike) -> str:

@@ -41,7 +41,7 @@ from .plan import HANG_TIMEOUT
 from .preflight import as_config, check_progress
 from .reporting import RUN_DIR_ENV
 from .rundir import WORKER_NAME
-from .script import MESHCHECK_NAME, Script, worker_script
+from .script import MESHCHECK_NAME, Script
 from .topology import Topology
 
 POLL_SECONDS = 2.0  # between questions to slurmctld: a shared service, asked gently
@@ -574,7 +574,7 @@ def slurm_script(
     >>> "torchrun" in slurm_script(TrainConfig(), "/shared/run", nnodes=4)
     True
     """
-    script = what if isinstance(what, Script) else worker_script(as_config(what))
+    script = what if isinstance(what, Script) else Script.worker(as_config(what))
     topology = Topology(nnodes, nproc_per_node, None, master_port, rdzv_timeout, max_restarts)
     named = {"output": "%x-%j.out", "partition": partition, "account": account}
     sbatch = sbatch_options(nnodes, job_name, time_limit, gpus_per_node, **named)

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .metrics import load_metrics, read_json
-from .report import Table, _cell
+from .tables import Table, _cell
 
 #: Notebook parameters that name where runs are written: pointed inside ``DIR/<point>/``.
 RUN_DIR_PARAMETERS = ("run_dir", "run_root")

@@ -70,10 +70,12 @@ def wrap_commands(text: str, width: int = WIDTH) -> str:
     return "\n".join(wrap_command(line, width) for line in text.splitlines())
 
 
-def diff(before: str | os.PathLike, after: str | os.PathLike) -> str:
-    """The unified diff of two text files: what changed from ``before`` to ``after``."""
-    a, b = Path(before), Path(after)
+def diff(before: str | os.PathLike, after: str | os.PathLike, context: int = 3, names=None) -> str:
+    """The unified diff from ``before`` to ``after``: two text files, or two texts ``names``d."""
+    if names is None:
+        names = (str(before), str(after))
+        before, after = Path(before).read_text(), Path(after).read_text()
     lines = difflib.unified_diff(
-        a.read_text().splitlines(True), b.read_text().splitlines(True), str(a), str(b)
+        str(before).splitlines(True), str(after).splitlines(True), *names, n=context
     )
     return "".join(lines)

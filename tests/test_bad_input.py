@@ -29,7 +29,7 @@ from conftest import tiny_config, tmpfs
 import ddpnb
 from ddpnb.errors import ConfigError, DatasetError, RunDirError
 from ddpnb.rundir import prepare_run_dir
-from ddpnb.script import worker_script
+from ddpnb.script import Script
 
 
 def _move_val_class(root):
@@ -92,7 +92,7 @@ def test_run_dir_with_another_run(tiny_data, tmp_path):
     with pytest.raises(RunDirError, match="different config.*lr.*overwrite=True"):
         ddpnb.launch(other, run, nnodes=1, resume=True)
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # nothing touched
-    payload = worker_script(other).payload()
+    payload = Script.worker(other).payload()
     prepare_run_dir(run, payload, other, overwrite=True)  # what launch(overwrite=True) does first
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import ddpnb
 from ddpnb import constants, worker
-from ddpnb.script import worker_script
+from ddpnb.script import Script
 from ddpnb.source import WORKER_PATH
 
 
@@ -20,7 +20,7 @@ def test_the_worker_holds_no_copy_of_the_shared_code():
         assert f"def {name}(" not in WORKER_PATH.read_text(), name
     for name in ["IMAGE_EXTENSIONS", "IMAGENET_MEAN", "RESUMABLE_KEYS"]:
         assert f"{name} =" not in WORKER_PATH.read_text(), name
-    payload = worker_script(ddpnb.TrainConfig()).payload()
+    payload = Script.worker(ddpnb.TrainConfig()).payload()
     assert payload["ddpnb_constants.py"] == Path(constants.__file__).read_bytes()
 
 

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 import ddpnb
-from ddpnb import report
+from ddpnb import tables
 from ddpnb.demo import NOTEBOOKS, ipc_kernel_manager, notebook_parameters
 from ddpnb.source import worker_source
 
@@ -209,7 +209,7 @@ def test_04_fault_tolerance(executed):
 def test_05_scaling(executed):
     out = _ok(executed, "05_scaling.ipynb")
     layouts = {name: out / "scaling" / name for name in ("1x1", "1x2", "2x1")}
-    rows = report.scaling_table(layouts)
+    rows = tables.scaling_table(layouts)
     assert [r["world_size"] for r in rows] == [1, 2, 2]
     assert rows[0]["efficiency"] == 1.0 and all(r["images/s"] > 0 for r in rows)
     assert rows[0]["communication share"] < 0.05  # one process: an all-reduce with itself
@@ -223,7 +223,7 @@ def test_05_scaling(executed):
     assert "communication share" in printed and "identical_weights" in printed
     assert _images(out / "05_scaling.ipynb") == 1  # the scaling plot
     gloo = out / "scaling" / "1x2-gloo"  # the first layout with several processes, over gloo
-    assert report.same_weights(layouts["1x2"], gloo)
+    assert tables.same_weights(layouts["1x2"], gloo)
     assert ddpnb.load_metrics(gloo).final["images_per_second"] > 0
 
 

@@ -25,9 +25,9 @@ def test_every_pitfall_is_a_small_marked_edit_of_the_worker():
     for name, pitfall in pitfalls.PITFALLS.items():
         text = pitfalls.variant(name)
         compile(text, f"train_ddp_{name}.py", "exec")  # the variant runs
-        changed = [ln for ln in pitfalls.diff(name).splitlines() if ln[:1] in "+-"][2:]
+        changed = [ln for ln in pitfalls.edit(name).splitlines() if ln[:1] in "+-"][2:]
         assert 0 < len(changed) <= 4 and len(text.splitlines()) >= len(worker) - 1, name
-        assert "MISTAKE" in pitfalls.diff(name) and len(pitfall.harm) > 20
+        assert "MISTAKE" in pitfalls.edit(name) and len(pitfall.harm) > 20
     with pytest.raises(ConfigError, match="no_sampler"):
         pitfalls.variant("no-such-pitfall")
 
