@@ -306,7 +306,7 @@ def test_dark_theme_four_nodes_and_stop_button_ends_every_process(lab, page):
     stopped_in = time.monotonic() - t
     # The launch cell ends with the interrupt's traceback; the cells after it do not run.
     launch_cell = page.locator(
-        f"{VISIBLE} .jp-CodeCell", has=page.locator(".jp-InputArea", has_text="ddpnb.launch(")
+        f"{VISIBLE} .jp-CodeCell", has=page.locator(".jp-InputArea", has_text="job = ddpnb.launch(")
     )
     launch_cell.locator(".jp-OutputArea-output", has_text="KeyboardInterrupt").wait_for()
     # One short message: stopped, nothing left, how to resume; no traceback through ddpnb.
