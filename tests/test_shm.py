@@ -46,11 +46,15 @@ def run_ranks(tmp_path: Path, shm_dirs: list[str]) -> list[dict]:
 
 
 def test_three_ranks_average_like_gloo(tmp_path):
+    # /dev/shm is the machine's: only what this run made counts (a run another test
+    # SIGKILLed in its first second may have left its 24-byte marker there).
+    before = set(os.listdir("/dev/shm"))
     results = run_ranks(tmp_path, ["/dev/shm"] * 3)
     assert all(r["shared"] for r in results)
     assert all(r["match"] == [True] * len(SIZES) for r in results)
     assert not any(r["disabled"] for r in results)
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("ddpnb-")], "files left over"
+    left = [p for p in set(os.listdir("/dev/shm")) - before if p.startswith("ddpnb-")]
+    assert not left, f"files left over: {left}"
 
 
 def test_ranks_that_do_not_share_dev_shm_use_the_backend(tmp_path):
