@@ -64,16 +64,24 @@ def alive(pid: int) -> bool:
 
 
 _lifelines: set[int] = set()  # write ends, one per running job
+_fork_hook = False
 
 
 def open_lifeline() -> tuple[int, int]:
     """A pipe (read, write) for the agents; a forked child closes its copies of the write ends,
     so no other process can keep a run alive."""
-    if not _lifelines:
-        os.register_at_fork(after_in_child=lambda: [close_lifeline(fd) for fd in list(_lifelines)])
+    global _fork_hook
+    if not _fork_hook:  # once per process: hooks cannot be removed, and would pile up
+        os.register_at_fork(after_in_child=_close_lifelines_in_child)
+        _fork_hook = True
     read_fd, write_fd = os.pipe()
     _lifelines.add(write_fd)
     return read_fd, write_fd
+
+
+def _close_lifelines_in_child() -> None:
+    for fd in list(_lifelines):
+        close_lifeline(fd)
 
 
 def close_lifeline(fd: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -67,7 +68,7 @@ class Plan:
             hang_timeout=hang_timeout, on_hang=on_hang, **rundir,
         )  # fmt: skip
 
-    @property
+    @functools.cached_property
     def files(self) -> dict[str, bytes]:
         """Each node's run directory's files: the script's, and ddpnb's hooks."""
         return {**self.payload, **hooks_payload()}
