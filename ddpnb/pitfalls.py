@@ -8,7 +8,6 @@ the mistake where it can see it. The correct worker holds no switch for any of t
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,79 +22,52 @@ from .tables import as_metrics
 from .text import diff
 
 
-@dataclasses.dataclass(frozen=True)
 class Pitfall:
     """One classic mistake: what goes wrong, and the worker's lines it edits.
 
-    Each edit is (a text found on exactly one line, what replaces that whole line at
-    its indentation); an empty replacement deletes the line.
+    ``edits``: pairs of (a text found on exactly one line, what replaces that whole line at
+    its indentation; an empty replacement deletes the line), given flat: old, new, old, new.
     """
 
-    harm: str
-    edits: tuple[tuple[str, str], ...]
+    def __init__(self, harm: str, *edits: str) -> None:
+        self.harm, self.edits = harm, tuple(zip(edits[::2], edits[1::2]))
 
 
 PITFALLS = {
     "no_sampler": Pitfall(
         "no DistributedSampler: every rank trains on the whole split, in the same order",
-        (
-            (
-                "DataLoader(train_set, sampler=train_sampler, **loader)",
-                "train_loader = DataLoader(train_set, shuffle=True, **loader)  # MISTAKE: no sampler",
-            ),
-        ),
+        "DataLoader(train_set, sampler=train_sampler, **loader)",
+        "train_loader = DataLoader(train_set, shuffle=True, **loader)  # MISTAKE: no sampler",
     ),
     "no_set_epoch": Pitfall(
         "sampler.set_epoch is never called: every epoch repeats epoch 0's order",
-        (
-            (
-                "data.train_sampler.set_epoch(epoch)",
-                "pass  # MISTAKE: data.train_sampler.set_epoch(epoch) is missing",
-            ),
-        ),
+        "data.train_sampler.set_epoch(epoch)",
+        "pass  # MISTAKE: data.train_sampler.set_epoch(epoch) is missing",
     ),
     "padded_validation": Pitfall(
         "validation through a padded DistributedSampler: some images count twice",
-        (
-            (
-                "    val_set = Subset(val_set, range(me.global_rank, len(val_set), me.world_size))\n",
-                "",
-            ),
-            (
-                "DataLoader(val_set, shuffle=False, **loader)",
-                "val_loader = DataLoader(val_set, sampler=DistributedSampler(val_set, shuffle=False),"
-                " **loader)  # MISTAKE: padded shards",
-            ),
-        ),
+        "    val_set = Subset(val_set, range(me.global_rank, len(val_set), me.world_size))\n",
+        "",
+        "DataLoader(val_set, shuffle=False, **loader)",
+        "val_loader = DataLoader(val_set, sampler=DistributedSampler(val_set, shuffle=False),"
+        " **loader)  # MISTAKE: padded shards",
     ),
     "mean_of_means": Pitfall(
         "metrics are the mean of per-rank means, not reduced sums and counts",
-        (
-            (
-                "totals = torch.cat([train_sums, val_sums])",
-                "totals = torch.cat([s / s[2] / me.world_size for s in (train_sums, val_sums)])"
-                "  # MISTAKE: each rank's means",
-            ),
-        ),
+        "totals = torch.cat([train_sums, val_sums])",
+        "totals = torch.cat([s / s[2] / me.world_size for s in (train_sums, val_sums)])"
+        "  # MISTAKE: each rank's means",
     ),
     "no_thread_budget": Pitfall(
         "no thread budget: every process takes all of the host's cores (oversubscribed)",
-        (
-            (
-                'torch.set_num_threads(cfg["threads"] or cpu_share(me))',
-                "pass  # MISTAKE: torch.set_num_threads(...) is missing",
-            ),
-        ),
+        'torch.set_num_threads(cfg["threads"] or cpu_share(me))',
+        "pass  # MISTAKE: torch.set_num_threads(...) is missing",
     ),
     "barrier_on_rank0": Pitfall(
         "dist.barrier() on rank 0 only: the ranks wait in different collectives and the run "
         "hangs after its first epoch",
-        (
-            (
-                "        if me.distributed:\n",  # the guard of the end-of-epoch barrier
-                "if me.master_process:  # MISTAKE: the barrier on rank 0 only",
-            ),
-        ),
+        "        if me.distributed:\n",  # the guard of the end-of-epoch barrier
+        "if me.master_process:  # MISTAKE: the barrier on rank 0 only",
     ),
 }
 

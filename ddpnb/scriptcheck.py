@@ -12,6 +12,7 @@ import dataclasses
 import html
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -21,7 +22,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from urllib.parse import urlparse
 
+from .agent import is_loopback
 from .errors import DdpnbError, RunFailed, RunHung
+from .hang import Frame, RankState
 
 WAIT_MARGIN_SECONDS = 30.0  # beyond the workers' own bound, before the check stops the run
 HANG_SECONDS = 10.0  # no rank moved, ranks in collectives: the check calls it a hang
@@ -117,6 +120,12 @@ class Finding:
         return TITLES[self.number]
 
 
+def _tr(*cells: str, tag: str = "td") -> str:
+    return "".join(
+        f"<{tag} style='text-align:left;vertical-align:top'>{c}</{tag}>" for c in cells
+    ).join(("<tr>", "</tr>"))
+
+
 @dataclasses.dataclass
 class ScriptReport:
     """What ``check_script`` found; ``exit_code``: 0 clean, 1 mistakes, 2 error or unchecked."""
@@ -138,11 +147,7 @@ class ScriptReport:
 
     @property
     def exit_code(self) -> int:
-        if self.error is not None:
-            return 2
-        if self.findings:
-            return 1
-        return 2 if self.unchecked is not None else 0
+        return 1 if self.findings and self.error is None else 0 if self.ok else 2
 
     def summary(self) -> str:
         if self.error is not None:
@@ -161,8 +166,7 @@ class ScriptReport:
         out += [f"  {k.ljust(width)}  {v}" for k, v in self.facts.items()]
         for f in self.findings:
             out += ["", f"Mistake {f.number}: {f.title}  [{f.where}]"]
-            if f.source:
-                out += [f"  line  {f.source}"]
+            out += [f"  line  {f.source}"] if f.source else []
             for label, text in (("seen", f.seen), ("why", f.why), ("fix", f.fix)):
                 out += textwrap.wrap(
                     text, 96, initial_indent=f"  {label:5}", subsequent_indent=" " * 7
@@ -176,32 +180,26 @@ class ScriptReport:
 
     def _repr_html_(self) -> str:
         e = html.escape
-        left = "style='text-align:left;vertical-align:top'"
-        code = "style='text-align:left;vertical-align:top;font-family:var(--jp-code-font-family,monospace)'"
         rows = "".join(
-            f"<tr><td {left}>{i}</td><td {left}><b>{e(f.title)}</b><br>"
-            f"<small>mistake {f.number}</small></td><td {left}><code>{e(f.where)}</code>"
-            + (f"<br><code>{e(f.source)}</code>" if f.source else "")
-            + f"</td><td {left}>{e(f.seen)}</td><td {left}>{e(f.why)}</td>"
-            f"<td {code}>{e(f.fix)}</td></tr>"
+            _tr(
+                str(i),
+                f"<b>{e(f.title)}</b><br><small>mistake {f.number}</small>",
+                f"<code>{e(f.where)}</code>"
+                + (f"<br><code>{e(f.source)}</code>" if f.source else ""),
+                e(f.seen),
+                e(f.why),
+                f"<code>{e(f.fix)}</code>",
+            )
             for i, f in enumerate(self.findings, 1)
         )
-        head = "".join(
-            f"<th {left}>{h}</th>"
-            for h in ("#", "finding", "where", "seen", "why it matters", "fix")
-        )
-        none = (
-            "No mistake found." if self.unchecked is None else f"Could not check: {self.unchecked}."
-        )
-        findings = f"<table><tr>{head}</tr>{rows}</table>" if rows else f"<p>{e(none)}</p>"
-        facts = "".join(
-            f"<tr><th {left}>{e(k)}</th><td {left}>{e(v)}</td></tr>" for k, v in self.facts.items()
-        )
+        head = _tr("#", "finding", "where", "seen", "why it matters", "fix", tag="th")
+        facts = "".join(_tr(f"<b>{e(k)}</b>", e(v)) for k, v in self.facts.items())
         checked = "".join(f"<li>{e(n)}</li>" for n in self.checked)
         error = f"<p>The script could not run:</p><pre>{e(self.error)}</pre>" if self.error else ""
         return (
-            f"<div><p><b>ddpnb check-script</b>: {e(self.summary())}</p>{findings}"
-            f"<table>{facts}</table><details><summary>checked</summary><ul>{checked}</ul>"
+            f"<div><p><b>ddpnb check-script</b>: {e(self.summary())}</p>"
+            + (f"<table>{head}{rows}</table>" if rows else "")
+            + f"<table>{facts}</table><details><summary>checked</summary><ul>{checked}</ul>"
             f"</details>{error}</div>"
         )
 
@@ -222,9 +220,6 @@ def check_script(
     check runs (``run/``, ``observe/``); default a temporary folder, removed afterwards. The
     script ends ``steps`` optimizer steps into epoch 2 or ``seconds`` after its first step; each
     worker after ``timeout`` seconds. ConfigError (nothing started): invalid script or layout.
-
-    >>> report = check_script(Script("train.py", args=["--epochs", "100"]))  # doctest: +SKIP
-    >>> report.ok, [f.title for f in report.findings]                        # doctest: +SKIP
     """
     from . import observe, watch
     from .launch import launch
@@ -293,6 +288,19 @@ def _at(where: dict | None) -> str:
     return f"{where['file']}:{where['line']}" if where else NOWHERE
 
 
+def _lines(run_dir: Path, file: str) -> list[str]:
+    try:
+        return (run_dir / file).read_text().splitlines()
+    except (OSError, ValueError):
+        return []
+
+
+def _line_text(run_dir: Path, at: str) -> str:
+    name, _, line = at.rpartition(":")
+    lines = _lines(run_dir, name)
+    return lines[int(line) - 1].strip() if line.isdigit() and 0 < int(line) <= len(lines) else ""
+
+
 class _Rank:
     def __init__(self, records: list[dict]) -> None:
         self.kinds: dict[str, list[dict]] = defaultdict(list)
@@ -334,6 +342,17 @@ class _Rank:
 
     def epoch_done(self, k: int) -> bool:
         return any(e["epoch"] == k for e in self["epoch_end"]) or len(self.train) > k
+
+    def first_steps(self) -> str:
+        """Epoch 1's optimizer steps, or its loader's length while it is unfinished."""
+        p = self.train[0]
+        if self.epoch_done(1):
+            return str(p["steps"])
+        return (
+            f"{p['expected']} (len of the loader; epoch 1 not finished)"
+            if p.get("expected")
+            else "?"
+        )
 
     def source(self, p: dict) -> tuple[dict, str]:
         """The record that made the pass (a loader or a sampler) and a short description."""
@@ -405,6 +424,10 @@ def _unchecked(ranks: list[_Rank]) -> str | None:
     return None
 
 
+def _ddp_at(ranks: list[_Rank]) -> str | None:
+    return next((_at(d["where"]) for r in ranks for d in r["ddp"]), None)
+
+
 def _facts(ranks: list[_Rank], world: int, layout: str) -> dict[str, str]:
     facts = {"world size": f"{world} ({layout})"}
     trained = [r for r in ranks if r.train]
@@ -418,21 +441,14 @@ def _facts(ranks: list[_Rank], world: int, layout: str) -> dict[str, str]:
         )
     elif trained:
         facts["batch size per rank"] = "not seen (batches made without a DataLoader)"
-    per_rank = {}  # each rank's first epoch: its steps, or its loader's length if unfinished
-    for r in trained:
-        holds = r.train[0].get("expected")
-        holds = f"{holds} (len of the loader; epoch 1 not finished)" if holds else "?"
-        per_rank[r.rank] = (r.train[0]["n"], r.train[0]["steps"] if r.epoch_done(1) else holds)
     if trained:
-        facts["training samples per epoch"] = ", ".join(
-            f"rank {k}: {n}" for k, (n, _) in per_rank.items()
-        )
-        facts["steps per epoch"] = ", ".join(f"rank {k}: {s}" for k, (_, s) in per_rank.items())
+        samples = (f"rank {r.rank}: {r.train[0]['n']}" for r in trained)
+        facts["training samples per epoch"] = ", ".join(samples)
+        facts["steps per epoch"] = ", ".join(f"rank {r.rank}: {r.first_steps()}" for r in trained)
     steps = [e["steps"] for r in ranks for e in r["end"]]
     if steps:
         facts["optimizer steps observed"] = f"{min(steps)} to {max(steps)} per rank"
-    ddp = [d for r in ranks for d in r["ddp"]]
-    facts["DistributedDataParallel"] = _at(ddp[0]["where"]) if ddp else "not constructed"
+    facts["DistributedDataParallel"] = _ddp_at(ranks) or "not constructed"
     return facts
 
 
@@ -447,11 +463,8 @@ def _sharding(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """1: the ranks' training samples in epoch 1 should be disjoint (but for padding)."""
     trained = [r for r in ranks if r.train]
     if world < 2 or len(trained) < 2:
-        why = (
-            _no_pass(ranks)
-            if world >= 2 and not trained
-            else "fewer than two ranks took an optimizer step"
-        )
+        few = "fewer than two ranks took an optimizer step"
+        why = few if world < 2 or trained else _no_pass(ranks)
         return [f"Training shards: not checked ({why})."]
     common = _common(trained, [r.train[0] for r in trained])
     if common is None:
@@ -459,8 +472,7 @@ def _sharding(ranks: list[_Rank], world: int, run_dir: Path) -> list:
             "Training shards: not checked (the training data has no sample indices: an "
             "IterableDataset, or batches made without a DataLoader or DistributedSampler)."
         ]
-    indices, _ = common
-    counts = Counter(i for idx in indices for i in set(idx))
+    counts = Counter(i for idx in common[0] for i in set(idx))
     shared = sum(1 for c in counts.values() if c > 1)
     if shared <= world - 1:  # a DistributedSampler pads with at most world - 1 repeats
         return [
@@ -468,7 +480,7 @@ def _sharding(ranks: list[_Rank], world: int, run_dir: Path) -> list:
             f"{len(counts)} (padding adds at most {world - 1}): each rank trains on its own shard."
         ]
     record, what = trained[0].source(trained[0].train[0])
-    per_rank = ", ".join(f"rank {r.rank} drew {len(set(i))}" for r, i in zip(trained, indices))
+    per_rank = ", ".join(f"rank {r.rank} drew {len(set(i))}" for r, i in zip(trained, common[0]))
     seen = (
         f"In epoch 1, {shared} of the {len(counts)} training samples were drawn by more than "
         f"one rank ({100 * shared / len(counts):.0f}%; {per_rank}). The training data comes "
@@ -496,12 +508,8 @@ def _set_epoch(ranks: list[_Rank], world: int, run_dir: Path) -> list:
                 pairs.append((r, first, second))
     if not pairs:
         trained = max((len(r.train) for r in ranks), default=0)
-        reason = (
-            _no_pass(ranks)
-            if trained == 0
-            else "only one epoch ran before the script ended"
-            if trained < 2
-            else "the training data does not come from a DistributedSampler"
+        reason = {0: _no_pass(ranks), 1: "only one epoch ran before the script ended"}.get(
+            trained, "the training data does not come from a DistributedSampler"
         )
         return [f"New order every epoch (set_epoch): not checked ({reason})."]
     rank, first, second = pairs[0]
@@ -532,28 +540,23 @@ def _replicas(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     common = sorted(n for n, by_rank in sums.items() if len(by_rank) == len(ranks))
     if world < 2 or not common:
         return ["Identical replicas: not checked (no optimizer step on every rank)."]
-    ddp = [d for r in ranks for d in r["ddp"]]
+    ddp = _ddp_at(ranks)
     differ = [n for n in common if len(set(sums[n].values())) > 1]
-    wrapped = f"DDP wraps the model at {_at(ddp[0]['where'])}" if ddp else "no DDP on any rank"
     if not differ:
+        wrapped = f"DDP wraps the model at {ddp}" if ddp else "no DDP on any rank"
         return [
             f"Identical replicas: every rank held the same parameters after optimizer steps "
             f"{', '.join(map(str, common))} ({wrapped})."
         ]
     n = differ[0]
     checksums = ", ".join(f"rank {r}: {c}" for r, c in sorted(sums[n].items()))
-    made = [o["where"] for o in ranks[0]["optimizer"] if o.get("where")]
-    step_at = next((s["where"] for s in ranks[0]["step"] if s.get("where")), None)
-    where = _at(ddp[0]["where"] if ddp else (made[0] if made else step_at))
-    seen = (
-        f"After optimizer step {n} the ranks' parameters differ (sha256 prefixes {checksums}); "
-        + (
-            "DistributedDataParallel was constructed, yet the copies drifted apart."
-            if ddp
-            else "no DistributedDataParallel was constructed on any rank."
-        )
-    )
-    return [Finding(3, where, seen)]
+    made = (o["where"] for o in [*ranks[0]["optimizer"], *ranks[0]["step"]] if o.get("where"))
+    seen = f"After optimizer step {n} the ranks' parameters differ (sha256 prefixes {checksums}); "
+    if ddp:
+        seen += "DistributedDataParallel was constructed, yet the copies drifted apart."
+    else:
+        seen += "no DistributedDataParallel was constructed on any rank."
+    return [Finding(3, ddp or _at(next(made, None)), seen)]
 
 
 def _steps(ranks: list[_Rank], world: int, run_dir: Path) -> list:
@@ -567,16 +570,13 @@ def _steps(ranks: list[_Rank], world: int, run_dir: Path) -> list:
         shortest = min(done.values())
         behind = {r.rank: p for r, p in mine if not r.epoch_done(k) and p["batches"] > shortest}
         if len(set(done.values())) > 1 or behind:
-            parts = [
-                f"rank {r} ended it after {n} optimizer steps" for r, n in sorted(done.items())
+            parts = [f"rank {r} ended it after {n} optimizer steps" for r, n in done.items()]
+            parts += [
+                f"rank {r} had drawn {p['batches']} batches"
+                + (f" of the {p['expected']} its loader holds" if p.get("expected") else "")
+                + " and was still in it"
+                for r, p in sorted(behind.items())
             ]
-            for r, p in sorted(behind.items()):
-                holds = p.get("expected")
-                parts.append(
-                    f"rank {r} had drawn {p['batches']} batches"
-                    + (f" of the {holds} its loader holds" if holds else "")
-                    + " and was still in it"
-                )
             rank = next(r for r, _ in mine if r.rank == min(done))
             record, what = rank.source(rank.train[k - 1])
             seen = f"Epoch {k}: {'; '.join(parts)}. The training data comes from {what}."
@@ -703,45 +703,40 @@ def _rendezvous(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     ]
 
 
-def _loopback(host: str | None) -> bool:
-    from .agent import is_loopback
-
-    return bool(host) and is_loopback(host)
-
-
 def _rendezvous_findings(rank: _Rank, run_dir: Path):
     """7 on one rank: its init_process_group calls, its writes of os.environ."""
     for init in rank["init"]:
-        where, env = _at(init["where"]), init["env"]
-        method = init.get("init_method")
-        host = urlparse(method).hostname if isinstance(method, str) else None
-        if isinstance(method, str) and method.startswith("tcp://") and _loopback(host):
+        where, env, method = _at(init["where"]), init["env"], init.get("init_method")
+        host = urlparse(method).hostname if str(method).startswith("tcp://") else None
+        if host and is_loopback(host):
             seen = f"init_method={method!r}: {host} is this machine, on every machine."
             why = (
                 "It runs while every process is on one host. On two nodes, node 1 connects to "
                 "itself, never meets node 0, and waits until the rendezvous times out."
             )
             yield Finding(7, where, seen, why)
-        for key, env_key in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
-            value = init.get(key)
-            if value is not None and str(value) != env.get(env_key):
+        literal = _literal_args(run_dir, init["where"])
+        for key in ("rank", "world_size"):
+            value, env_value = init.get(key), env.get(key.upper())
+            if value is None:
+                continue
+            if str(value) != env_value:
                 seen = (
                     f"init_process_group({key}={value}) on the process torchrun started with "
-                    f"{env_key}={env.get(env_key)}; the check stopped it there (it would hang)."
+                    f"{key.upper()}={env_value}; the check stopped it there (it would hang)."
                 )
                 why = f"Processes that disagree with torchrun about the {key.replace('_', ' ')} never form one group."
                 yield Finding(7, where, seen, why)
-        for key, value in _literal_args(run_dir, init["where"]).items():
-            if init.get(key) is not None and str(init.get(key)) == env.get(key.upper()):
+            elif key in literal:
                 seen = (
-                    f"{key}={value} is written into the script; it equals torchrun's "
+                    f"{key}={literal[key]} is written into the script; it equals torchrun's "
                     f"{key.upper()} in this check only because the check runs {env.get('WORLD_SIZE')} processes."
                 )
                 why = "With another number of nodes or processes per node the group never forms."
                 yield Finding(7, where, seen, why)
     for s in rank["setenv"]:
         key, value, where = s["key"], s["value"], _at(s["where"])
-        if key == "MASTER_ADDR" and _loopback(value):
+        if key == "MASTER_ADDR" and is_loopback(value):
             seen = f"The script sets os.environ['MASTER_ADDR'] = {value!r}, replacing torchrun's."
             why = (
                 f"{value} is this machine on every machine: node 1 looks for the rendezvous on "
@@ -754,38 +749,30 @@ def _rendezvous_findings(rank: _Rank, run_dir: Path):
             yield Finding(7, where, seen, why)
 
 
-def _tree(run_dir: Path, where: dict | None) -> ast.AST:
-    try:
-        return ast.parse((run_dir / where["file"]).read_text())
-    except (OSError, SyntaxError, ValueError, TypeError):
-        return ast.Module(body=[], type_ignores=[])
-
-
 def _literal_args(run_dir: Path, where: dict | None) -> dict[str, object]:
     """``rank``/``world_size`` given as literals in the init_process_group call at ``where``."""
-    for node in ast.walk(_tree(run_dir, where)):
-        if not isinstance(node, ast.Call) or not (
-            node.lineno <= where["line"] <= (node.end_lineno or node.lineno)
+    try:
+        tree = ast.parse("\n".join(_lines(run_dir, where["file"])))
+    except (SyntaxError, TypeError):
+        return {}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and node.lineno <= where["line"] <= (node.end_lineno or node.lineno)
+            and ast.unparse(node.func).rpartition(".")[2] == "init_process_group"
         ):
-            continue
-        func = node.func
-        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-        if name != "init_process_group":
-            continue
-        given = {kw.arg: kw.value for kw in node.keywords}
-        given.update({k: v for k, v in zip(("", "", "", "world_size", "rank"), node.args) if k})
-        return {
-            k: v.value
-            for k, v in given.items()
-            if k in ("rank", "world_size") and isinstance(v, ast.Constant) and v.value != -1
-        }
+            given = dict(zip(("", "", "", "world_size", "rank"), node.args))
+            given.update({kw.arg: kw.value for kw in node.keywords})
+            return {
+                k: v.value
+                for k, v in given.items()
+                if k in ("rank", "world_size") and isinstance(v, ast.Constant) and v.value != -1
+            }
     return {}
 
 
 def _stall(ranks: list[_Rank], hung: RunHung | None) -> list:
     """9: the run stopped moving with ranks waiting in collectives."""
-    from .hang import Frame, RankState
-
     if hung is not None and hung.stacks is not None:
         states, what = hung.stacks.ranks, hung.stacks.verdict.message
     else:
@@ -829,9 +816,8 @@ def _collectives(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     used = Counter(tuple(c[:2]) for s in seqs.values() for c in {tuple(x[:2]) for x in s})
     odd_rank = min(calls, key=lambda r: (used[calls[r]], r))  # the call fewest ranks ever make
     parts = [
-        f"rank {rank} called {op}" + (f" at {at}" if at else "") + (f" ({text})" if text else "")
+        f"rank {rank} called {op}" + (f" at {at} ({_line_text(run_dir, at)})" if at else "")
         for rank, (op, at) in sorted(calls.items())
-        for text in [_line_text(run_dir, at) if at else ""]
     ]
     seen = (
         f"The ranks' collective #{first + 1} differs: {'; '.join(parts)}. From there on their "
@@ -840,12 +826,10 @@ def _collectives(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     return [Finding(9, calls[odd_rank][1] or NOWHERE, seen)]
 
 
-def _line_text(run_dir: Path, at: str) -> str:
-    name, _, line = at.rpartition(":")
-    try:
-        return (run_dir / name).read_text().splitlines()[int(line) - 1].strip()
-    except (OSError, ValueError, IndexError):
-        return ""
+# os.environ["MASTER_ADDR"] = ..., os.environ.setdefault("MASTER_PORT", ...), os.putenv(...)
+_SETS_RENDEZVOUS = re.compile(
+    r"""(environ\[|putenv\(|setdefault\()\s*['"]MASTER_(ADDR|PORT)['"]\s*(\]\s*=[^=]|,)"""
+)
 
 
 def _spawn(ranks: list[_Rank], world: int, run_dir: Path) -> list:
@@ -853,33 +837,19 @@ def _spawn(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     spawns = [s for r in ranks for s in r["spawn"]]
     if not spawns:
         return ["Own ranks: the script does not call torch.multiprocessing.spawn."]
-    s = spawns[0]
-    where = _at(s["where"])
-    sets = _sets_rendezvous(run_dir, s["where"])
+    s, where = spawns[0], _at(spawns[0]["where"])
+    file = s["where"]["file"] if s["where"] else ""
+    sets = [
+        f"{file}:{i}"
+        for i, line in enumerate(_lines(run_dir, file), 1)
+        if _SETS_RENDEZVOUS.search(line)
+    ]
     seen = (
         f"Every rank called {s['call']} at {where}"
         + (f"; the script sets the rendezvous itself at {', '.join(sets)}" if sets else "")
         + ". The check stopped it there: under torchrun it would start a second job per rank."
     )
     return [Finding(10, where, seen)]
-
-
-def _sets_rendezvous(run_dir: Path, where: dict | None) -> list[str]:
-    """``file:line`` of each write of MASTER_ADDR / MASTER_PORT in the file that spawns."""
-    lines = set()
-    for node in ast.walk(_tree(run_dir, where)):
-        if isinstance(node, ast.Assign):
-            pairs = [(t.value, t.slice) for t in node.targets if isinstance(t, ast.Subscript)]
-        elif isinstance(node, ast.Call) and node.args:
-            pairs = [(node.func, node.args[0])]
-        else:
-            continue
-        for owner, key in pairs:
-            text = ast.unparse(owner)
-            if ("environ" in text or "putenv" in text) and isinstance(key, ast.Constant):
-                if key.value in ("MASTER_ADDR", "MASTER_PORT"):
-                    lines.add(node.lineno)
-    return [f"{where['file']}:{n}" for n in sorted(lines)]
 
 
 def _parse_args(argv: list[str]):

@@ -25,17 +25,9 @@ def _definitions(text: str) -> dict[str, tuple[int, int]]:
 
 
 def worker_source(*names: str) -> str:
-    """The exact text of the named top-level functions or classes of the worker.
-
-    Each definition is a slice of ``ddpnb/worker.py`` from its first decorator to its
-    last line; several are joined by one blank line, in the order asked for. No name, or
-    one the worker does not define at top level, is a ValueError listing those it does.
-
-    Example
-    -------
-    >>> print(worker_source("validate").splitlines()[0])
-    def validate(model: nn.Module, data: Data) -> torch.Tensor:
-    """
+    """The named top-level functions or classes of the worker, each sliced exactly from its
+    first decorator to its last line, joined by one blank line. An unknown name, or none, is a
+    ValueError listing the names there are."""
     text = WORKER_PATH.read_text()
     spans = _definitions(text)
     unknown = [name for name in names if name not in spans]
@@ -47,13 +39,8 @@ def worker_source(*names: str) -> str:
 
 
 def worker_part1_names() -> list[str]:
-    """Names of the worker's top-level definitions in Part 1 (above the Part 2 banner), in order.
-
-    Example
-    -------
-    >>> worker_part1_names()[:2]
-    ['main', 'who_am_i']
-    """
+    """Names of the worker's top-level definitions in Part 1 (above the Part 2 banner), in order:
+    ``['main', 'who_am_i', ...]``."""
     text = WORKER_PATH.read_text()
     banner = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith(PART2_BANNER))
     return [name for name, (first, _) in _definitions(text).items() if first < banner]

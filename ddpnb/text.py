@@ -35,19 +35,9 @@ def _groups(tokens: list[str]) -> list[list[str]]:
 
 
 def wrap_command(line: str, width: int = WIDTH) -> str:
-    """One command line, split into one option per line with ``\\`` continuations when it
-    is longer than ``width``; each part stays whole (``--master_addr=10.0.0.1``, a quoted
-    argument). A trailing ``  # comment`` stays on the last line. Pasted into a shell, the
-    result runs the same command.
-
-    Example
-    -------
-    >>> print(wrap_command("torchrun --nnodes=2 --node_rank=0 train.py", width=20))
-    torchrun \\
-        --nnodes=2 \\
-        --node_rank=0 \\
-        train.py
-    """
+    """``line`` split into one option per line with ``\\`` continuations when longer than
+    ``width``; each part stays whole (``--master_addr=10.0.0.1``, a quoted argument), a trailing
+    ``  # comment`` stays on the last line, and pasted into a shell it runs the same command."""
     if len(line) <= width or line.lstrip().startswith("#"):
         return line
     margin = line[: len(line) - len(line.lstrip())]
@@ -65,8 +55,7 @@ def wrap_command(line: str, width: int = WIDTH) -> str:
 
 
 def wrap_commands(text: str, width: int = WIDTH) -> str:
-    """Every line of ``text`` that is longer than ``width`` through :func:`wrap_command`;
-    comments and short lines as they are. For printing node commands in a notebook."""
+    """:func:`wrap_command` on every line of ``text`` (node commands, for a notebook)."""
     return "\n".join(wrap_command(line, width) for line in text.splitlines())
 
 
