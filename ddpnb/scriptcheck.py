@@ -828,7 +828,7 @@ def _collectives(ranks: list[_Rank], world: int, run_dir: Path) -> list:
 
 # os.environ["MASTER_ADDR"] = ..., os.environ.setdefault("MASTER_PORT", ...), os.putenv(...)
 _SETS_RENDEZVOUS = re.compile(
-    r"""(environ\[|putenv\(|setdefault\()\s*['"]MASTER_(ADDR|PORT)['"]\s*(\]\s*=[^=]|,)"""
+    r"""^[^#]*(environ\[|putenv\(|setdefault\()\s*['"]MASTER_(ADDR|PORT)['"]\s*(\]\s*=[^=]|,)"""
 )
 
 
