@@ -117,9 +117,13 @@ def check_network(
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"backend must be 'gloo' or 'nccl', got {backend!r}.")
     start = time.monotonic()
-    args = {"master_addr": master_addr, "master_port": master_port, "timeout": timeout,
-            "ifname": user_env.get("GLOO_SOCKET_IFNAME") or None,
-            "connect_timeout": min(meshcheck.CONNECT_TIMEOUT, timeout / 4)}  # fmt: skip
+    args = {
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "timeout": timeout,
+        "ifname": user_env.get("GLOO_SOCKET_IFNAME") or None,
+        "connect_timeout": min(meshcheck.CONNECT_TIMEOUT, timeout / 4),
+    }
     nodes = _run_agents(ssh, hosts, python, args)
     problems = meshcheck.diagnose(nodes, master_addr, master_port)
     rows = [_row(n, node, backend, user_env) for n, node in enumerate(nodes)]

@@ -13,8 +13,6 @@ import secrets
 import shlex
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +33,7 @@ from .ssh import (
     SSH_FAILED,
     Host,
     Ssh,
+    pack,
     parse_hosts,
     probe_hosts,
     remote_line,
@@ -123,16 +122,12 @@ class Hosts(Processes):
         )
 
     def start(self, plan, run_dir: Path, topology: Topology) -> None:
-        buf = io.BytesIO()  # the files, a tar stream for each host without the run directory
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            for name, data in plan.files.items():
-                info = tarfile.TarInfo(name)
-                info.size, info.mode = len(data), 0o644
-                tar.addfile(info, io.BytesIO(data))
+        files = io.BytesIO()  # a tar stream of the files (the pipeline wrote them here)
+        pack(str(run_dir), list(plan.files), files)
 
         def copy(n: int) -> None:  # with overwrite=True, what the host held goes first
             clean = self.held[n] if plan.overwrite else []
-            out = self._helper(n, "unpack", self.dirs[n], clean, timeout=60, input=buf.getvalue())
+            out = self._helper(n, "unpack", self.dirs[n], clean, timeout=60, input=files.getvalue())
             if out.returncode != 0:
                 why = ssh_failure(out.returncode, out.stderr.decode(errors="replace"), self.python)
                 raise HostError(
@@ -152,20 +147,17 @@ class Hosts(Processes):
             topology.master_port,
         )
 
+        agent = [self.python, "-c", AGENT.read_text()]  # the hosts need nothing of ddpnb
+
         def commands(lifeline: int) -> dict:
             out = {}
             for n, (host, folder) in enumerate(zip(self.parsed, self.dirs)):
                 env = plan.node_env(folder, topology.nproc_per_node, self.cpus[n])
                 env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **self.network.env(n), **env}
-                argv = [self.python, "-c", "AGENT"]  # its source goes in the line: see `remote`
-                argv = topology.command(
-                    argv, n, plan.script, folder, log_dir=f"{folder}/logs/node-{n}"
-                )
-                remote = remote_line([*argv[:2], AGENT.read_text(), *argv[3:]], cwd=folder, env=env)
-                cmd = self.ssh.command(host, remote)
-                shown = remote_line(argv, cwd=folder, env=env).replace(
-                    " -c AGENT ", " -c '<ddpnb agent>' "
-                )
+                logs = f"{folder}/logs/node-{n}"
+                argv = topology.command(agent, n, plan.script, folder, log_dir=logs)
+                cmd = self.ssh.command(host, remote_line(argv, cwd=folder, env=env))
+                shown = remote_line([*argv[:2], "<ddpnb agent>", *argv[3:]], cwd=folder, env=env)
                 shown = f"{shlex.join(cmd[:-1])}  # runs, on that host:\n    {shown}"
                 # ssh forwards its input's EOF: the host's agent then stops its node.
                 out[n] = (cmd, shown, {"stdin": lifeline})
@@ -176,10 +168,10 @@ class Hosts(Processes):
     def _helper(self, n: int, name: str, *args, **kwargs) -> subprocess.CompletedProcess:
         return run_helper(self.ssh, self.parsed[n], self.python, name, *args, **kwargs)
 
-    def _pull(self, names, timeout: float, nodes: Sequence[int] | None = None) -> list[int]:
-        """Copy ``names(node)`` here from each host of ``nodes`` (default all) without the
-        shared run directory, at once; the nodes that could not be read."""
-        todo = [n for n in (range(self.nnodes) if nodes is None else nodes) if not self.shared[n]]
+    def _pull(self, names, timeout: float) -> list[int]:
+        """Copy ``names(node)`` here from each host without this run directory, all at once;
+        the nodes that could not be read."""
+        todo = [n for n in range(self.nnodes) if not self.shared[n] and names(n)]
 
         def one(n: int) -> bool:
             try:
@@ -217,7 +209,7 @@ class Hosts(Processes):
     def sync(self) -> None:
         if time.monotonic() - self._synced >= SYNC_SECONDS:
             self._synced = time.monotonic()
-            self._pull(lambda n: ["progress.json", "metrics.jsonl"], timeout=10, nodes=[0])
+            self._pull(lambda n: [] if n else ["progress.json", "metrics.jsonl"], timeout=10)
 
     def fetch(self) -> None:
         for n in self._pull(lambda n: ["."] if n == 0 else ["ranks", f"logs/node-{n}"], 60):
@@ -242,7 +234,7 @@ class Hosts(Processes):
 
 
 def _survey(
-    ssh: Ssh, hosts: list[Host], python: str, config, folder: Path, nproc: int,
+    ssh: Ssh, hosts: list[Host], python: str, config, folder: Path | None, nproc: int,
     master_addr: str | None, port: int | None, user_env: Mapping[str, str],
     launch: tuple[str, list[str]] | None = None,
 ) -> tuple[list[dict], str, NetworkReport]:  # fmt: skip
@@ -250,18 +242,18 @@ def _survey(
     and the names to look for there; node 0's ``port`` is then found (None) or checked free."""
     data_dir = config.data_dir if config is not None else None
     gpus = config is not None and config.backend == "nccl"
-    token = secrets.token_hex(8)
-    marker = folder / f".ddpnb-shared-{token}"
-    marker.write_text(token)
-    remote_dir, held = launch or (str(folder), [])
+    token = secrets.token_hex(8)  # in a file of ``folder``: does the host see it?
+    marker = folder / f".ddpnb-shared-{token}" if folder else None
+    if marker:
+        marker.write_text(token)
+    remote_dir, held = launch or ("", [])
+    asked = {"data_dir": data_dir, "gpus": gpus, "marker": str(marker or ""), "token": token}
+    asked |= {"port": (port or 0) if launch else None, "dir": remote_dir, "held": held}
     try:
-        reports = probe_hosts(
-            ssh, hosts, python, data_dir=data_dir, nproc_per_node=nproc, gpus=gpus,
-            port=(port or 0) if launch else None, marker=str(marker), token=token,
-            dir=remote_dir, held=held,
-        )  # fmt: skip
+        reports = probe_hosts(ssh, hosts, python, asked, nproc)
     finally:
-        marker.unlink()
+        if marker:
+            marker.unlink()
     port = reports[0]["port"] if launch else port
     master_addr = master_addr or ssh.hostname(hosts[0])
     network = check_network(
@@ -297,17 +289,11 @@ def check_hosts(
     ssh = Ssh(ssh_config, ssh_options)
     if config is not None:
         config = check_run(as_config(config), len(parsed) * nproc_per_node, here=False)
-    folder = Path(run_dir) if run_dir is not None else None
-    if folder is None or not folder.is_dir():
-        folder = Path(tempfile.mkdtemp(prefix="ddpnb-check-"))  # no host sees a fresh folder here
-    try:
-        reports, _, network = _survey(
-            ssh, parsed, python or sys.executable, config, folder, nproc_per_node, master_addr,
-            master_port, forwarded_env(os.environ),
-        )  # fmt: skip
-    finally:
-        if run_dir is None or folder != Path(run_dir):
-            folder.rmdir()
+    folder = Path(run_dir) if run_dir is not None and Path(run_dir).is_dir() else None
+    reports, _, network = _survey(
+        ssh, parsed, python or sys.executable, config, folder, nproc_per_node, master_addr,
+        master_port, forwarded_env(os.environ),
+    )  # fmt: skip
     rows = Table()
     for n, (host, r, net) in enumerate(zip(parsed, reports, network.rows)):
         row = {"node": n, "host": host.spec, "address": net.address, "interface": net.interface}

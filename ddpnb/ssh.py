@@ -150,7 +150,11 @@ def remote_line(
 
 
 def probe(args: dict) -> None:
-    """Print what the preflight needs to know about this host (``args``: :func:`probe_all`'s)."""
+    """Print what the preflight needs to know about this host.
+
+    ``args``: ``data_dir``; ``marker`` (a path) and ``token``, its content where it was written
+    (does this host see it?); the ``held`` names in ``dir``; a ``port`` to bind; ``gpus``.
+    """
     import importlib.metadata as md
 
     affinity = getattr(os, "sched_getaffinity", None)
@@ -184,9 +188,9 @@ def probe(args: dict) -> None:
     print("DDPNB-PROBE " + json.dumps(out))
 
 
-def pack(root: str, names: list[str]) -> None:
-    """Write those of ``names`` that ``root`` holds to stdout, a tar stream."""
-    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
+def pack(root: str, names: list[str], stream=None) -> None:
+    """Write those of ``names`` that ``root`` holds to a tar stream (stdout)."""
+    with tarfile.open(fileobj=stream or sys.stdout.buffer, mode="w|") as tar:
         for name in names:
             if os.path.exists(os.path.join(root, name)):
                 tar.add(os.path.join(root, name), arcname=name)
@@ -255,7 +259,7 @@ def ssh_failure(returncode: int, stderr: str, python: str) -> str:
     return f"failed the probe ({last})"
 
 
-def _ask(ssh: Ssh, host: Host, python: str, args: dict, timeout: float) -> dict | str:
+def _ask(ssh: Ssh, host: Host, python: str, args: dict, timeout=PROBE_TIMEOUT) -> dict | str:
     """``host``'s probe report, or why it gave none."""
     try:
         out = run_helper(ssh, host, python, "probe", args, timeout=timeout)
@@ -270,20 +274,18 @@ def _ask(ssh: Ssh, host: Host, python: str, args: dict, timeout: float) -> dict 
 
 
 def probe_hosts(
-    ssh: Ssh, hosts: Sequence[Host], python: str, *, data_dir: str | None, nproc_per_node: int,
-    gpus: bool, port: int | None, timeout: float = PROBE_TIMEOUT, **args,
-) -> list[dict]:  # fmt: skip
+    ssh: Ssh, hosts: Sequence[Host], python: str, asked: dict, nproc_per_node: int
+) -> list[dict]:
     """Ask every host at once what the preflight needs to know: a report per host, or one
     :class:`HostError` naming every host that cannot run the job, and why.
 
-    ``data_dir``: None but for ddpnb's worker. ``port``: node 0's, to check free (0: to find
-    one). ``args``: ``marker`` (a path here) and ``token``, its content (does the host see
-    it?); the ``held`` names in ``dir``.
+    ``asked``: :func:`probe`'s ``args`` (a ``data_dir`` only for ddpnb's worker; the ``port`` is
+    node 0's, to check free, 0: to find one).
     """
-    args |= {"data_dir": data_dir, "gpus": gpus}
-    asked = [{**args, "port": port if n == 0 else None} for n in range(len(hosts))]
+    data_dir, gpus, port = asked["data_dir"], asked["gpus"], asked["port"]
+    each = [{**asked, "port": port if n == 0 else None} for n in range(len(hosts))]
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        got = list(pool.map(lambda h, a: _ask(ssh, h, python, a, timeout), hosts, asked))
+        got = list(pool.map(lambda h, a: _ask(ssh, h, python, a), hosts, each))
     problems = [(h, r) for h, r in zip(hosts, got) if isinstance(r, str)]
     reports = [(h, r) for h, r in zip(hosts, got) if isinstance(r, dict)]
     needed = ("torch", "torchvision") if data_dir is not None else ("torch",)
@@ -298,29 +300,27 @@ def probe_hosts(
         elif gpus and r.get("gpus", 0) < nproc_per_node:
             why = f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={nproc_per_node}"
             problems.append((host, why))
-    if problems:
-        raise HostError(
-            _lines("Preflight failed; nothing was started", problems), host=problems[0][0].spec
-        )
-
-    def release(r: dict) -> dict:
-        return {k: (r[k] or "").split("+")[0] for k in needed}
-
-    odd = [(h, r) for h, r in reports if release(r) != release(reports[0][1])]
-    if odd:
-        base = release(reports[0][1])
-        head = f"The hosts run different versions of torch/torchvision (node 0: {base}); "
-        found = [(h, f"has torch {r['torch']}, torchvision {r['torchvision']}") for h, r in odd]
-        raise HostError(_lines(head + "install the same on every host", found), host=odd[0][0].spec)
-    first = reports[0][1]["fingerprint"]
-    differ = [(h, r) for h, r in reports if r["fingerprint"] != first] if data_dir else []
-    if differ:
-        head = (
-            f"The dataset at {data_dir} differs from node 0's ({reports[0][0].spec}, fingerprint "
-            f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
-        )
-        found = [(h, f"holds fingerprint {r['fingerprint'][:12]}") for h, r in differ]
-        raise HostError(_lines(head, found), host=differ[0][0].spec)
+    _refuse("Preflight failed; nothing was started", problems)
+    release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
+    base = release(reports[0][1])
+    odd = [
+        (h, f"has torch {r['torch']}, torchvision {r['torchvision']}")
+        for h, r in reports
+        if release(r) != base
+    ]
+    head = f"The hosts run different versions of torch/torchvision (node 0: {base}); install "
+    _refuse(head + "the same on every host", odd)
+    first = reports[0][1]["fingerprint"] or ""  # without a data_dir, every one is None
+    differ = [
+        (h, f"holds fingerprint {r['fingerprint'][:12]}")
+        for h, r in reports
+        if (r["fingerprint"] or "") != first
+    ]
+    head = (
+        f"The dataset at {data_dir} differs from node 0's ({reports[0][0].spec}, fingerprint "
+        f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
+    )
+    _refuse(head, differ)
     if port and reports[0][1]["port"] is None:
         raise HostError(
             f"Port {port} is already in use on node 0 ({reports[0][0].spec}). Pass another "
@@ -330,5 +330,8 @@ def probe_hosts(
     return got
 
 
-def _lines(head: str, problems: Sequence[tuple[Host, str]]) -> str:
-    return head + ":\n" + "\n".join(f"  - {h.spec} {why}." for h, why in problems)
+def _refuse(head: str, found: Sequence[tuple[Host, str]]) -> None:
+    """Raise a HostError naming each host of ``found`` and why, if any."""
+    if found:
+        lines = "\n".join(f"  - {h.spec} {why}." for h, why in found)
+        raise HostError(f"{head}:\n{lines}", host=found[0][0].spec)
