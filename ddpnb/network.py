@@ -19,7 +19,8 @@ from pathlib import Path
 
 from . import meshcheck
 from .errors import ConfigError, NetworkError
-from .ssh import Host, Ssh, _explain, remote_line
+from .ssh import Host, Ssh, remote_line, ssh_failure
+from .tables import Table
 
 CHECK_TIMEOUT = 20.0  # seconds the whole check may take, whatever hangs
 #: What the check fills in for each host: the columns of its table, and what each proves.
@@ -69,15 +70,13 @@ class NetworkReport:
         return dict(self.rows[node].env)
 
     def table(self) -> str:
-        head = ("node", "host", "address", "interface", "reaches node 0", "mesh", "versions")
-        cells = [head] + [
-            (str(r.node), r.host, r.address or "?", r.interface or "?", r.reaches_node0, r.mesh,
-             r.versions)
+        rows = Table(
+            {"node": str(r.node), "host": r.host, "address": r.address or "?",
+             "interface": r.interface or "?", "reaches node 0": r.reaches_node0, "mesh": r.mesh,
+             "versions": r.versions}
             for r in self.rows
-        ]  # fmt: skip
-        widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        )  # fmt: skip
+        lines = [str(rows)]
         lines.append(f"node 0 at {self.master_addr}:{self.master_port}; checked in "
                      f"{self.seconds:.1f} s. Interfaces:")  # fmt: skip
         for r in self.rows:
@@ -118,48 +117,34 @@ def check_network(
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"backend must be 'gloo' or 'nccl', got {backend!r}.")
     start = time.monotonic()
-    nodes = _run_agents(ssh, hosts, python, master_addr, master_port, user_env, timeout)
+    args = {
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "timeout": timeout,
+        "ifname": user_env.get("GLOO_SOCKET_IFNAME") or None,
+        "connect_timeout": min(meshcheck.CONNECT_TIMEOUT, timeout / 4),
+    }
+    nodes = _run_agents(ssh, hosts, python, args)
     problems = meshcheck.diagnose(nodes, master_addr, master_port)
     rows = [_row(n, node, backend, user_env) for n, node in enumerate(nodes)]
     report = NetworkReport(
         rows, problems, master_addr, master_port, backend, time.monotonic() - start
     )
     if problems:
-        raise NetworkError(
-            meshcheck.explain(problems, "The network check failed; nothing was started")
-            + "\n\n"
-            + report.table(),
-            host=problems[0][0],
-            report=report,
-        )
+        head = meshcheck.explain(problems, "The network check failed; nothing was started")
+        raise NetworkError(f"{head}\n\n{report}", host=problems[0][0], report=report)
     return report
 
 
-def _run_agents(
-    ssh: Ssh,
-    hosts: Sequence[Host],
-    python: str,
-    master_addr: str,
-    master_port: int,
-    user_env: Mapping[str, str],
-    timeout: float,
-) -> list[dict]:
+def _run_agents(ssh: Ssh, hosts: Sequence[Host], python: str, args: dict) -> list[dict]:
     """One agent per host; relay their facts to every one of them; what each then saw."""
-    deadline = time.monotonic() + timeout
-    connect_timeout = min(meshcheck.CONNECT_TIMEOUT, timeout / 4)
-    base = {
-        "master_addr": master_addr,
-        "master_port": master_port,
-        "ifname": user_env.get("GLOO_SOCKET_IFNAME") or None,
-        "connect_timeout": connect_timeout,
-        "timeout": timeout,
-    }
+    deadline = time.monotonic() + args["timeout"]
     agents: list[tuple[subprocess.Popen, queue.Queue]] = []
     try:
         for n, host in enumerate(hosts):
-            agents.append(_agent(ssh, host, python, {**base, "rank": n}))
+            agents.append(_agent(ssh, host, python, {**args, "rank": n}))
         nodes = [{"name": h.spec} for h in hosts]
-        for by in (deadline - connect_timeout - 2, deadline):
+        for by in (deadline - args["connect_timeout"] - 2, deadline):
             for node, (_, records) in zip(nodes, agents):
                 try:
                     if "error" not in node:
@@ -191,20 +176,18 @@ def _agent(ssh: Ssh, host: Host, python: str, args: dict) -> tuple[subprocess.Po
     """meshcheck's agent on ``host``, and the queue of its records (last: why it ended)."""
     line = remote_line([python, "-c", AGENT_SOURCE, "--agent", json.dumps(args)])
     pipe = subprocess.PIPE  # a session of its own: ours to end, by its process group
-    proc = subprocess.Popen(ssh.command(host, line), stdin=pipe, stdout=pipe, stderr=pipe,
-                            text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(ssh.command(host, line), stdin=pipe, stdout=pipe,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     records: queue.Queue = queue.Queue()
 
     def read() -> None:
-        stderr: list[str] = []
-        drain = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
-        drain.start()
+        said = []  # what ssh or python said, when it fails
         for out in proc.stdout:
             if out.startswith(meshcheck.TAG):
                 records.put(json.loads(out[len(meshcheck.TAG) :]))
-        code = proc.wait()
-        drain.join(2)
-        records.put({"error": _explain(code, "".join(stderr), python)})
+            else:
+                said.append(out)
+        records.put({"error": ssh_failure(proc.wait(), "".join(said), python)})
 
     threading.Thread(target=read, daemon=True).start()
     return proc, records

@@ -7,12 +7,12 @@ end-of-file (the launcher or the connection ended) it stops its node.
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,14 +32,14 @@ from .script import Script
 from .ssh import (
     SSH_FAILED,
     Host,
-    Probe,
     Ssh,
-    check_probes,
+    pack,
     parse_hosts,
-    probe_all,
-    pull,
-    push,
+    probe_hosts,
     remote_line,
+    run_helper,
+    ssh_failure,
+    unpack,
 )
 from .tables import Table
 from .topology import Topology, check_meeting_point, check_shape
@@ -48,14 +48,6 @@ REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace 
 SYNC_SECONDS = 2.0  # how often node 0's progress is copied here (one SSH login each)
 STACKS_SYNC_SECONDS = 5.0  # how often the ranks' stacks are copied here (one login per host)
 FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_CPP_LOG")
-HELD = """
-import os, shutil, sys
-root, clean, names = sys.argv[1], sys.argv[2] == "True", sys.argv[3:]
-held = [n for n in names if os.path.lexists(os.path.join(root, n))]
-for path in [os.path.join(root, n) for n in held] if clean else []:
-    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
-print(" ".join(held))
-"""
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -91,7 +83,7 @@ class Hosts(Processes):
         check_shape(self.nnodes, nproc_per_node, rdzv_timeout, max_restarts)
         check_meeting_point(master_addr, master_port)
         self.shape = (master_addr, master_port, rdzv_timeout, max_restarts)
-        self.ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
+        self.ssh = Ssh(ssh_config, ssh_options)
         self.python = python or sys.executable
         if remote_run_dir is not None and not str(remote_run_dir).startswith("/"):
             raise ConfigError(
@@ -101,21 +93,28 @@ class Hosts(Processes):
         self.hosts = [h.spec for h in self.parsed]
         self._synced = self._stacks_synced = 0.0
 
-    def check(self, plan) -> None:
-        pass  # the hosts are asked in preflight, with the run directory's marker
-
     def preflight(self, plan, run_dir: Path) -> Topology:
-        """Probe every host, then prove the network; nothing starts."""
+        """Probe every host (and what its copy of the run directory holds), prove the network."""
         master_addr, master_port, rdzv_timeout, max_restarts = self.shape
-        probes, master_addr, self.network = _survey(
+        remote_dir = str(self.remote_run_dir or run_dir)
+        reports, master_addr, self.network = _survey(
             self.ssh, self.parsed, self.python, plan.config, run_dir, self.nproc_per_node,
-            master_addr, master_port, {**forwarded_env(os.environ), **plan.env}, probe_port=True,
+            master_addr, master_port, {**forwarded_env(os.environ), **plan.env},
+            launch=(remote_dir, [*PRODUCTS, *plan.payload]),
         )  # fmt: skip
         self.run_dir = run_dir
-        self.shared = [p.report["shared"] for p in probes]
-        self.cpus = [p.report["cpus"] for p in probes]
-        self.dirs = [str(run_dir if s else self.remote_run_dir or run_dir) for s in self.shared]
-        _check_remote_dirs(self.ssh, self.parsed, self.python, self.dirs, self.shared, plan)
+        self.shared = [r["shared"] for r in reports]
+        self.cpus = [r["cpus"] for r in reports]
+        self.dirs = [str(run_dir) if s else remote_dir for s in self.shared]
+        self.held = [[] if r["shared"] else r["held"] for r in reports]
+        for host, held in zip(self.hosts, self.held):
+            if held and not (plan.resume or plan.overwrite):
+                raise HostError(
+                    f"{host}:{remote_dir} already holds a run (found {', '.join(held)}). Nothing "
+                    "was changed. Pass resume=True to continue it, overwrite=True to replace it "
+                    "there, or another remote_run_dir.",
+                    host=host,
+                )
         logger.info("network check:\n%s", self.network.table())
         port = self.network.master_port
         return Topology(
@@ -123,53 +122,74 @@ class Hosts(Processes):
         )
 
     def start(self, plan, run_dir: Path, topology: Topology) -> None:
-        todo = [n for n, s in enumerate(self.shared) if not s]
-        with ThreadPoolExecutor(max_workers=len(self.parsed)) as pool:
-            for _ in pool.map(
-                lambda n: push(self.ssh, self.parsed[n], self.python, self.dirs[n], plan.files),
-                todo,
-            ):
-                pass
+        files = io.BytesIO()  # a tar stream of the files (the pipeline wrote them here)
+        pack(str(run_dir), list(plan.files), files)
+
+        def copy(n: int) -> None:  # with overwrite=True, what the host held goes first
+            clean = self.held[n] if plan.overwrite else []
+            out = self._helper(n, "unpack", self.dirs[n], clean, timeout=60, input=files.getvalue())
+            if out.returncode != 0:
+                why = ssh_failure(out.returncode, out.stderr.decode(errors="replace"), self.python)
+                raise HostError(
+                    f"Could not copy the worker to {self.hosts[n]}:{self.dirs[n]}: {why}.",
+                    host=self.hosts[n],
+                )
+
+        with ThreadPoolExecutor(max_workers=self.nnodes) as pool:
+            list(pool.map(copy, [n for n, s in enumerate(self.shared) if not s]))
         logger.info(
             "launching %d host(s) x %d process(es) over SSH; node 0 (%s) hosts the rendezvous "
             "at %s:%d",
             topology.nnodes,
             topology.nproc_per_node,
-            self.parsed[0].spec,
+            self.hosts[0],
             topology.master_addr,
             topology.master_port,
         )
 
+        agent = [self.python, "-c", AGENT.read_text()]  # the hosts need nothing of ddpnb
+
         def commands(lifeline: int) -> dict:
             out = {}
-            for n, host in enumerate(self.parsed):
-                env = plan.node_env(self.dirs[n], topology.nproc_per_node, self.cpus[n])
+            for n, (host, folder) in enumerate(zip(self.parsed, self.dirs)):
+                env = plan.node_env(folder, topology.nproc_per_node, self.cpus[n])
                 env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **self.network.env(n), **env}
-                cmd, shown = agent_command(
-                    self.ssh, host, self.python, self.dirs[n], topology, n, env, plan.script
-                )
+                logs = f"{folder}/logs/node-{n}"
+                argv = topology.command(agent, n, plan.script, folder, log_dir=logs)
+                cmd = self.ssh.command(host, remote_line(argv, cwd=folder, env=env))
+                shown = remote_line([*argv[:2], "<ddpnb agent>", *argv[3:]], cwd=folder, env=env)
+                shown = f"{shlex.join(cmd[:-1])}  # runs, on that host:\n    {shown}"
                 # ssh forwards its input's EOF: the host's agent then stops its node.
-                out[n] = (cmd, shown, {"stdin": lifeline, "env": dict(os.environ)})
+                out[n] = (cmd, shown, {"stdin": lifeline})
             return out
 
         self.spawn_all(run_dir, "ssh", commands)
 
-    def sync_stacks(self, force: bool) -> None:
-        """Copy the ranks' stack snapshots from unshared hosts; ``force``: now, or HostError."""
-        todo = [n for n, shared in enumerate(self.shared) if not shared]
-        if not todo or (not force and time.monotonic() - self._stacks_synced < STACKS_SYNC_SECONDS):
-            return
-        self._stacks_synced = time.monotonic()
+    def _helper(self, n: int, name: str, *args, **kwargs) -> subprocess.CompletedProcess:
+        return run_helper(self.ssh, self.parsed[n], self.python, name, *args, **kwargs)
+
+    def _pull(self, names, timeout: float) -> list[int]:
+        """Copy ``names(node)`` here from each host without this run directory, all at once;
+        the nodes that could not be read."""
+        todo = [n for n in range(self.nnodes) if not self.shared[n] and names(n)]
 
         def one(n: int) -> bool:
-            names = [str(WATCH_DIR)]
-            return pull(
-                self.ssh, self.parsed[n], self.python, self.dirs[n], names, self.run_dir, timeout=10
-            )
+            try:
+                out = self._helper(n, "pack", self.dirs[n], names(n), timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False
+            if out.returncode == 0:
+                unpack(str(self.run_dir), stream=io.BytesIO(out.stdout))
+            return out.returncode == 0
 
-        with ThreadPoolExecutor(max_workers=len(todo)) as pool:
-            read = dict(zip(todo, pool.map(one, todo)))
-        lost = [n for n, ok in read.items() if not ok]
+        with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
+            return [n for n, ok in zip(todo, pool.map(one, todo)) if not ok]
+
+    def sync_stacks(self, force: bool) -> None:
+        if not force and time.monotonic() - self._stacks_synced < STACKS_SYNC_SECONDS:
+            return
+        self._stacks_synced = time.monotonic()
+        lost = self._pull(lambda n: [str(WATCH_DIR)], timeout=10)
         if force and lost:
             names = ", ".join(f"node {n} ({self.hosts[n]})" for n in lost)
             raise HostError(
@@ -187,34 +207,13 @@ class Hosts(Processes):
         super().stop()
 
     def sync(self) -> None:
-        if self.shared[0] or time.monotonic() - self._synced < SYNC_SECONDS:
-            return
-        self._synced = time.monotonic()
-        pull(
-            self.ssh,
-            self.parsed[0],
-            self.python,
-            self.dirs[0],
-            ["progress.json", "metrics.jsonl"],
-            self.run_dir,
-            timeout=10,
-        )
+        if time.monotonic() - self._synced >= SYNC_SECONDS:
+            self._synced = time.monotonic()
+            self._pull(lambda n: [] if n else ["progress.json", "metrics.jsonl"], timeout=10)
 
     def fetch(self) -> None:
-
-        def one(n: int) -> None:
-            names = ["."] if n == 0 else ["ranks", f"logs/node-{n}"]
-            if not pull(
-                self.ssh, self.parsed[n], self.python, self.dirs[n], names, self.run_dir, timeout=60
-            ):
-                logger.warning(
-                    "could not copy the results of node %d back from %s", n, self.hosts[n]
-                )
-
-        todo = [n for n, shared in enumerate(self.shared) if not shared]
-        if todo:
-            with ThreadPoolExecutor(max_workers=len(todo)) as pool:
-                list(pool.map(one, todo))
+        for n in self._pull(lambda n: ["."] if n == 0 else ["ranks", f"logs/node-{n}"], 60):
+            logger.warning("could not copy the results of node %d back from %s", n, self.hosts[n])
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
         cut = sorted(n for n, rc in failed.items() if rc == SSH_FAILED)
@@ -235,32 +234,34 @@ class Hosts(Processes):
 
 
 def _survey(
-    ssh: Ssh, hosts: list[Host], python: str, config, folder: Path, nproc: int,
-    master_addr: str | None, port: int | None, user_env: Mapping[str, str], probe_port: bool,
-) -> tuple[list[Probe], str, NetworkReport]:  # fmt: skip
-    """Probe every host, then prove the network; ``probe_port``: find or check node 0's port."""
+    ssh: Ssh, hosts: list[Host], python: str, config, folder: Path | None, nproc: int,
+    master_addr: str | None, port: int | None, user_env: Mapping[str, str],
+    launch: tuple[str, list[str]] | None = None,
+) -> tuple[list[dict], str, NetworkReport]:  # fmt: skip
+    """Probe every host, then prove the network. ``launch``: a launch's remote run directory
+    and the names to look for there; node 0's ``port`` is then found (None) or checked free."""
     data_dir = config.data_dir if config is not None else None
     gpus = config is not None and config.backend == "nccl"
-    token = secrets.token_hex(8)
-    marker = f".ddpnb-shared-{token}"
-    (folder / marker).write_text(token)
+    token = secrets.token_hex(8)  # in a file of ``folder``: does the host see it?
+    marker = folder / f".ddpnb-shared-{token}" if folder else None
+    if marker:
+        marker.write_text(token)
+    remote_dir, held = launch or ("", [])
+    asked = {"data_dir": data_dir, "gpus": gpus, "marker": str(marker or ""), "token": token}
+    asked |= {"port": (port or 0) if launch else None, "dir": remote_dir, "held": held}
     try:
-        asked = {"data_dir": data_dir, "run_dir": str(folder), "marker": marker, "gpus": gpus}
-        probes = probe_all(ssh, hosts, python, port=(port or 0) if probe_port else None, **asked)
+        reports = probe_hosts(ssh, hosts, python, asked, nproc)
     finally:
-        (folder / marker).unlink()
-    asked_port = port if probe_port else None  # a given port must be free on node 0
-    check_probes(probes, data_dir=data_dir, nproc_per_node=nproc, gpus=gpus, port=asked_port)
-    port = probes[0].report["port"] if probe_port else port
-    for p in probes:
-        p.report["shared"] = p.report["marker"] == token
+        if marker:
+            marker.unlink()
+    port = reports[0]["port"] if launch else port
     master_addr = master_addr or ssh.hostname(hosts[0])
-    ifnames = "gloo" if config is not None and config.backend == "gloo" else "nccl"
     network = check_network(
-        ssh, hosts, python, master_addr=master_addr, master_port=port, backend=ifnames,
+        ssh, hosts, python, master_addr=master_addr, master_port=port,
+        backend="gloo" if config is not None and config.backend == "gloo" else "nccl",
         user_env=user_env,
     )  # fmt: skip
-    return probes, master_addr, network
+    return reports, master_addr, network
 
 
 def check_hosts(
@@ -285,87 +286,28 @@ def check_hosts(
     node  host  address   interface  reaches node 0  mesh  torch   ...
     """
     parsed = parse_hosts(hosts)
-    ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
+    ssh = Ssh(ssh_config, ssh_options)
     if config is not None:
         config = check_run(as_config(config), len(parsed) * nproc_per_node, here=False)
-    folder = Path(run_dir) if run_dir is not None else None
-    if folder is None or not folder.is_dir():
-        folder = Path(tempfile.mkdtemp(prefix="ddpnb-check-"))  # no host sees a fresh folder here
-    try:
-        probes, _, network = _survey(
-            ssh, parsed, python or sys.executable, config, folder, nproc_per_node, master_addr,
-            master_port, forwarded_env(os.environ), probe_port=False,
-        )  # fmt: skip
-    finally:
-        if run_dir is None or folder != Path(run_dir):
-            folder.rmdir()
+    folder = Path(run_dir) if run_dir is not None and Path(run_dir).is_dir() else None
+    reports, _, network = _survey(
+        ssh, parsed, python or sys.executable, config, folder, nproc_per_node, master_addr,
+        master_port, forwarded_env(os.environ),
+    )  # fmt: skip
     rows = Table()
-    for n, (p, net) in enumerate(zip(probes, network.rows)):
-        row = {"node": n, "host": p.host.spec, "address": net.address, "interface": net.interface}
+    for n, (host, r, net) in enumerate(zip(parsed, reports, network.rows)):
+        row = {"node": n, "host": host.spec, "address": net.address, "interface": net.interface}
         row |= {"reaches node 0": net.reaches_node0, "mesh": net.mesh, "versions": net.versions}
-        row["cpus"] = p.report.get("cpus")
+        row["cpus"] = r["cpus"]
         if config is not None and config.backend == "nccl":
-            row["gpus"] = p.report.get("gpus")
+            row["gpus"] = r.get("gpus")
         if config is not None:
-            row["dataset"] = (p.report["fingerprint"] or "")[:12]
+            row["dataset"] = (r["fingerprint"] or "")[:12]
         if run_dir is not None:
-            row["sees run_dir"] = p.report["shared"]
+            row["sees run_dir"] = r["shared"]
         rows.append(row)
     rows.network = network  # the interfaces chosen, and why: print(rows.network)
     return rows
-
-
-def _check_remote_dirs(ssh: Ssh, hosts: list[Host], python: str, dirs, shared, plan) -> None:
-    """Refuse (or clean, with ``overwrite``) a host's copy of the run directory holding a run."""
-    names = [*PRODUCTS, *plan.payload]
-    for n, host in enumerate(hosts):
-        held = [] if shared[n] else _held(ssh, host, python, dirs[n], names, clean=False)
-        if held and not (plan.resume or plan.overwrite):
-            raise HostError(
-                f"{host.spec}:{dirs[n]} already holds a run (found {', '.join(held)}). Nothing was "
-                "changed. Pass resume=True to continue it, overwrite=True to replace it there, or "
-                "another remote_run_dir.",
-                host=host.spec,
-            )
-        if held and plan.overwrite:
-            _held(ssh, host, python, dirs[n], held, clean=True)
-
-
-def _held(ssh: Ssh, host: Host, python: str, root: str, names, clean: bool) -> list[str]:
-    """Which of ``names`` ``root`` on ``host`` holds (``clean``: removed)."""
-    argv = [python, "-c", HELD, root, str(clean), *names]
-    out = subprocess.run(
-        ssh.command(host, remote_line(argv)),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=dict(os.environ),
-        stdin=subprocess.DEVNULL,
-    )
-    return out.stdout.split()
-
-
-def agent_command(
-    ssh: Ssh,
-    host: Host,
-    python: str,
-    remote_dir: str,
-    topology: Topology,
-    node: int,
-    env: dict[str, str],
-    script: Script,
-) -> tuple[list[str], str]:
-    """The ssh command that runs node ``node``'s agent on ``host``, and how to show it.
-
-    The agent's source travels in the command line, so the hosts need nothing of ddpnb.
-    """
-    log_dir = f"{remote_dir}/logs/node-{node}"
-    argv = topology.command([python, "-c", "AGENT"], node, script, remote_dir, log_dir=log_dir)
-    remote = remote_line([*argv[:2], AGENT.read_text(), *argv[3:]], cwd=remote_dir, env=env)
-    cmd = ssh.command(host, remote)
-    shown = remote_line(argv, cwd=remote_dir, env=env)
-    shown = shown.replace(" -c AGENT ", " -c '<ddpnb agent>' ")
-    return cmd, f"{shlex.join(cmd[:-1])}  # runs, on that host:\n    {shown}"
 
 
 def ssh_commands(
@@ -393,7 +335,7 @@ def ssh_commands(
     from .cluster import node_commands
 
     parsed = parse_hosts(hosts)
-    ssh = Ssh(None if ssh_config is None else str(ssh_config), tuple(ssh_options))
+    ssh = Ssh(ssh_config, ssh_options)
     addresses = [ssh.hostname(h) for h in parsed]
     launcher = [python, "-m", "torch.distributed.run"] if python else ["torchrun"]
     lines = node_commands(what, run_dir, addresses, nproc_per_node, master_port, launcher=launcher)
@@ -402,7 +344,5 @@ def ssh_commands(
         env = network.env(n) if network is not None else {}
         prefix = shlex.join(["env", *(f"{k}={v}" for k, v in env.items())]) + " " if env else ""
         remote = f"cd {shlex.quote(str(run_dir))} && {prefix}{line}"
-        cmd = ["ssh", *(["-F", str(ssh.config)] if ssh.config else []), *ssh.options]
-        cmd += [*(["-p", str(host.port)] if host.port else []), "-t", "--", host.destination]
-        out.append(shlex.join([*cmd, remote]))
+        out.append(shlex.join([*ssh.args(host, "-t", defaults=False), remote]))
     return out

@@ -1,38 +1,33 @@
 """Reaching real machines over SSH: the system's OpenSSH client; the hosts need only Python.
 
-Remote lines are built with ``shlex`` from argument lists; the probe and the file transfers
-(tar streams) are small ``python -c`` programs, so the hosts need no ``scp`` or ``tar``.
+Remote lines are built with ``shlex`` from argument lists. What runs on the hosts (the probe,
+the file transfers as tar streams) is :data:`HELPERS`: functions of this module whose source
+goes as ``python -c``, so the hosts need no ``scp``, ``tar``, nor anything of ddpnb.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import io
 import json
 import os
 import shlex
+import shutil
+import socket
 import subprocess
+import sys
 import tarfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from . import constants
+from .constants import dataset_files, dataset_fingerprint
 from .errors import ConfigError, HostError
 
-# Unless ssh_options say otherwise: ssh keeps an option's first value, the user's come first.
-SSH_DEFAULTS = (
-    "-o",
-    "BatchMode=yes",  # never prompt: a prompt would hang the cell
-    "-o",
-    "ConnectTimeout=10",
-    # A host that stops answering ends its ssh within ~15 s: the node is reported lost.
-    "-o",
-    "ServerAliveInterval=5",
-    "-o",
-    "ServerAliveCountMax=3",
-)
+# Unless ssh_options say otherwise (ssh keeps an option's first value): never prompt, which
+# would hang the cell; a host that stops answering ends its ssh within ~15 s (a lost node).
+SSH_DEFAULTS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
+SSH_DEFAULTS += ("-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")
 PROBE_TIMEOUT = 15.0
 SSH_FAILED = 255  # ssh's exit status for its own errors (connection, authentication)
 
@@ -60,8 +55,7 @@ class Host:
         port = None
         if rest.startswith("["):  # [IPv6]:port
             name, _, tail = rest[1:].partition("]")
-            if tail:
-                port = tail[1:]
+            port = tail[1:] or None
         elif rest.count(":") == 1:
             name, port = rest.split(":")
         else:
@@ -94,7 +88,7 @@ def parse_hosts(hosts: Sequence[str]) -> list[Host]:
     return [Host.parse(h) for h in hosts]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Ssh:
     """How to reach the hosts: ``ssh -F ssh_config`` plus ``ssh_options``, verbatim.
 
@@ -102,8 +96,8 @@ class Ssh:
     ['gpu1', 'true']
     """
 
-    config: str | None = None
-    options: tuple[str, ...] = ()
+    config: str | os.PathLike | None = None
+    options: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if self.config is not None and not Path(self.config).is_file():
@@ -115,33 +109,25 @@ class Ssh:
             raise ConfigError(
                 "ssh_options must be a list of ssh arguments, e.g. ['-o', 'StrictHostKeyChecking=no']."
             )
+        self.config = None if self.config is None else str(self.config)
+        self.options = tuple(self.options)
 
-    def base(self, host: Host) -> list[str]:
-        args = ["ssh"]
-        if self.config:
-            args += ["-F", str(self.config)]
-        args += [*self.options, *SSH_DEFAULTS]
-        if host.port:
-            args += ["-p", str(host.port)]
-        return args
+    def args(self, host: Host, *flags: str, defaults: bool = True) -> list[str]:
+        """``ssh [-F config] options [SSH_DEFAULTS] [-p port] flags -- destination``."""
+        args = ["ssh", *(["-F", self.config] if self.config else []), *self.options]
+        args += SSH_DEFAULTS if defaults else ()
+        args += ["-p", str(host.port)] if host.port else []
+        return [*args, *flags, "--", host.destination]
 
     def command(self, host: Host, remote: str) -> list[str]:
-        """``ssh ... -- destination remote``."""
-        return [*self.base(host), "-T", "--", host.destination, remote]
+        return [*self.args(host, "-T"), remote]
 
     def hostname(self, host: Host) -> str:
         """The address ssh connects to for ``host`` (its config's ``HostName``, ``ssh -G``)."""
-        out = subprocess.run(
-            [*self.base(host), "-G", "--", host.destination],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            env=dict(os.environ),
-        )
+        out = subprocess.run(self.args(host, "-G"), capture_output=True, text=True, timeout=10)
         for line in out.stdout.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "hostname":
-                return value.strip()
+            if line.startswith("hostname "):
+                return line[9:].strip()
         return host.name
 
 
@@ -160,102 +146,100 @@ def remote_line(
     return f"cd {shlex.quote(str(cwd))} && {line}" if cwd else line
 
 
+# -- what runs on the hosts: HELPERS, these functions' source ---------------------------------
+
+
+def probe(args: dict) -> None:
+    """Print what the preflight needs to know about this host.
+
+    ``args``: ``data_dir``; ``marker`` (a path) and ``token``, its content where it was written
+    (does this host see it?); the ``held`` names in ``dir``; a ``port`` to bind; ``gpus``.
+    """
+    import importlib.metadata as md
+
+    affinity = getattr(os, "sched_getaffinity", None)
+    out = {"python": sys.executable, "cpus": len(affinity(0)) if affinity else os.cpu_count()}
+    for pkg in ("torch", "torchvision"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    data = args["data_dir"]
+    found = data and all(os.path.isdir(os.path.join(data, s)) for s in ("train", "val"))
+    out["fingerprint"] = dataset_fingerprint(data) if found else None
+    try:
+        with open(args["marker"]) as f:
+            out["shared"] = f.read() == args["token"]
+    except OSError:
+        out["shared"] = False
+    out["held"] = [n for n in args["held"] if os.path.lexists(os.path.join(args["dir"], n))]
+    if args["port"] is not None:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds
+            try:
+                s.bind(("", args["port"]))
+                out["port"] = s.getsockname()[1]
+            except OSError:
+                out["port"] = None
+    if args["gpus"] and out["torch"]:
+        import torch
+
+        out["gpus"] = torch.cuda.device_count()
+    print("DDPNB-PROBE " + json.dumps(out))
+
+
+def pack(root: str, names: list[str], stream=None) -> None:
+    """Write those of ``names`` that ``root`` holds to a tar stream (stdout)."""
+    with tarfile.open(fileobj=stream or sys.stdout.buffer, mode="w|") as tar:
+        for name in names:
+            if os.path.exists(os.path.join(root, name)):
+                tar.add(os.path.join(root, name), arcname=name)
+
+
+def unpack(dest: str, clean: list[str] = (), stream=None) -> None:
+    """Remove ``clean`` from ``dest``, then extract a tar stream (stdin) there: its files and
+    folders only, never outside ``dest``, each file replaced whole."""
+    for path in (os.path.join(dest, name) for name in clean):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+    os.makedirs(dest, exist_ok=True)
+    with tarfile.open(fileobj=stream or sys.stdin.buffer, mode="r|") as tar:
+        for m in tar:
+            parts = m.name.split("/")
+            if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir()):
+                continue
+            target = os.path.join(dest, *parts)
+            os.makedirs(target if m.isdir() else os.path.dirname(target), exist_ok=True)
+            if m.isfile():
+                tmp = os.path.join(os.path.dirname(target), f".{parts[-1]}.part")
+                with open(tmp, "wb") as f:
+                    shutil.copyfileobj(tar.extractfile(m), f)
+                os.replace(tmp, target)  # a reader never sees half a file
+
+
+_SHIPPED = (dataset_files, dataset_fingerprint, probe, pack, unpack)
+HELPERS = (
+    "from __future__ import annotations\n"
+    "import hashlib, json, os, shutil, socket, sys, tarfile\nfrom pathlib import Path\n"
+    + "".join(inspect.getsource(f) for f in _SHIPPED)
+    + "globals()[sys.argv[1]](*json.loads(sys.argv[2]))\n"
+)
+
+
+def run_helper(
+    ssh: Ssh, host: Host, python: str, name: str, *args, timeout: float, input: bytes = b""
+) -> subprocess.CompletedProcess:
+    """``name(*args)`` of :data:`HELPERS` on ``host``, ``input`` its stdin."""
+    cmd = ssh.command(host, remote_line([python, "-c", HELPERS, name, json.dumps(args)]))
+    return subprocess.run(cmd, input=input, capture_output=True, timeout=timeout)
+
+
 # -- preflight: one probe per host, all in parallel ------------------------------------
 
-PROBE = """
-import importlib.metadata as md, json, os, socket, sys
-args = json.loads(sys.argv[1])
-out = {"hostname": socket.gethostname(), "python": sys.executable,
-       "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
-for pkg in ("torch", "torchvision"):
-    try:
-        out[pkg] = md.version(pkg)
-    except md.PackageNotFoundError:
-        out[pkg] = None
-data = args["data_dir"]
-if data and os.path.isdir(os.path.join(data, "train")) and os.path.isdir(os.path.join(data, "val")):
-    out["fingerprint"] = dataset_fingerprint(data)
-else:
-    out["fingerprint"] = None
-run_dir = args["run_dir"]
-try:
-    with open(os.path.join(run_dir, args["marker"])) as f:
-        out["marker"] = f.read()
-except OSError:
-    out["marker"] = None
-if args["port"] is not None:
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: TIME_WAIT is free
-    try:
-        s.bind(("", args["port"]))
-        out["port"] = s.getsockname()[1]
-    except OSError:
-        out["port"] = None
-    finally:
-        s.close()
-if args["gpus"] and out["torch"]:
-    import torch
-    out["gpus"] = torch.cuda.device_count()
-print("DDPNB-PROBE " + json.dumps(out))
-"""
 
-
-def _probe_source() -> str:
-    # The package's own fingerprint code, so every host hashes alike.
-    helpers = inspect.getsource(constants.dataset_files) + inspect.getsource(
-        constants.dataset_fingerprint
-    )
-    return "import hashlib, os\nfrom pathlib import Path\n" + helpers + PROBE
-
-
-@dataclasses.dataclass
-class Probe:
-    host: Host
-    report: dict | None = None
-    error: str | None = None
-
-
-def probe(
-    ssh: Ssh,
-    host: Host,
-    python: str,
-    *,
-    data_dir: str | None,
-    run_dir: str,
-    marker: str,
-    port: int | None,
-    gpus: bool,
-    timeout: float = PROBE_TIMEOUT,
-) -> Probe:
-    """Ask ``host`` what the preflight needs to know; never raises."""
-    args = {
-        "data_dir": data_dir,
-        "run_dir": run_dir,
-        "marker": marker,
-        "port": port,
-        "gpus": gpus,
-    }
-    cmd = ssh.command(host, remote_line([python, "-c", _probe_source(), json.dumps(args)]))
-    try:
-        out = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-            env=dict(os.environ),
-        )
-    except subprocess.TimeoutExpired:
-        return Probe(host, error=f"did not answer within {timeout:.0f} s")
-    except OSError as e:
-        return Probe(host, error=f"could not run ssh ({e})")
-    for line in out.stdout.splitlines():
-        if line.startswith("DDPNB-PROBE "):
-            return Probe(host, report=json.loads(line.split(" ", 1)[1]))
-    return Probe(host, error=_explain(out.returncode, out.stderr, python))
-
-
-def _explain(returncode: int, stderr: str, python: str) -> str:
+def ssh_failure(returncode: int, stderr: str, python: str) -> str:
     """ssh's or the remote shell's failure, with the fix."""
     last = " ".join(stderr.strip().splitlines()[-2:]) or f"exit code {returncode}"
     if returncode == SSH_FAILED:
@@ -275,28 +259,35 @@ def _explain(returncode: int, stderr: str, python: str) -> str:
     return f"failed the probe ({last})"
 
 
-def probe_all(ssh: Ssh, hosts: Sequence[Host], python: str, **kwargs) -> list[Probe]:
-    """:func:`probe` on every host at once (node 0 is asked for the port)."""
-    port = kwargs.pop("port")
+def _ask(ssh: Ssh, host: Host, python: str, args: dict, timeout=PROBE_TIMEOUT) -> dict | str:
+    """``host``'s probe report, or why it gave none."""
+    try:
+        out = run_helper(ssh, host, python, "probe", args, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"did not answer within {timeout:.0f} s"
+    except OSError as e:
+        return f"could not run ssh ({e})"
+    for line in out.stdout.decode(errors="replace").splitlines():
+        if line.startswith("DDPNB-PROBE "):
+            return json.loads(line.split(" ", 1)[1])
+    return ssh_failure(out.returncode, out.stderr.decode(errors="replace"), python)
+
+
+def probe_hosts(
+    ssh: Ssh, hosts: Sequence[Host], python: str, asked: dict, nproc_per_node: int
+) -> list[dict]:
+    """Ask every host at once what the preflight needs to know: a report per host, or one
+    :class:`HostError` naming every host that cannot run the job, and why.
+
+    ``asked``: :func:`probe`'s ``args`` (a ``data_dir`` only for ddpnb's worker; the ``port`` is
+    node 0's, to check free, 0: to find one).
+    """
+    data_dir, gpus, port = asked["data_dir"], asked["gpus"], asked["port"]
+    each = [{**asked, "port": port if n == 0 else None} for n in range(len(hosts))]
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        futures = [
-            pool.submit(probe, ssh, h, python, port=port if n == 0 else None, **kwargs)
-            for n, h in enumerate(hosts)
-        ]
-        return [f.result() for f in futures]
-
-
-def check_probes(
-    probes: Sequence[Probe],
-    *,
-    data_dir: str | None,  # None: not ddpnb's worker
-    nproc_per_node: int,
-    gpus: bool,
-    port: int | None,
-) -> None:
-    """Raise one :class:`HostError` naming every host that cannot run the job, and why."""
-    problems = [(p.host, p.error) for p in probes if p.error]
-    reports = [(p.host, p.report) for p in probes if p.report]
+        got = list(pool.map(lambda h, a: _ask(ssh, h, python, a), hosts, each))
+    problems = [(h, r) for h, r in zip(hosts, got) if isinstance(r, str)]
+    reports = [(h, r) for h, r in zip(hosts, got) if isinstance(r, dict)]
     needed = ("torch", "torchvision") if data_dir is not None else ("torch",)
     for host, r in reports:
         missing = " or ".join(pkg for pkg in needed if not r[pkg])
@@ -309,126 +300,38 @@ def check_probes(
         elif gpus and r.get("gpus", 0) < nproc_per_node:
             why = f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={nproc_per_node}"
             problems.append((host, why))
-    if problems:
-        raise HostError(
-            _lines("Preflight failed; nothing was started", problems), host=problems[0][0].spec
-        )
-
-    def release(r: dict) -> dict:
-        return {k: (r[k] or "").split("+")[0] for k in needed}
-
-    odd = [(h, r) for h, r in reports if release(r) != release(reports[0][1])]
-    if odd:
-        base = release(reports[0][1])
-        head = f"The hosts run different versions of torch/torchvision (node 0: {base}); "
-        found = [(h, f"has torch {r['torch']}, torchvision {r['torchvision']}") for h, r in odd]
-        raise HostError(_lines(head + "install the same on every host", found), host=odd[0][0].spec)
-    first = reports[0][1]["fingerprint"]
-    differ = [(h, r) for h, r in reports if r["fingerprint"] != first] if data_dir else []
-    if differ:
-        head = (
-            f"The dataset at {data_dir} differs from node 0's ({reports[0][0].spec}, fingerprint "
-            f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
-        )
-        found = [(h, f"holds fingerprint {r['fingerprint'][:12]}") for h, r in differ]
-        raise HostError(_lines(head, found), host=differ[0][0].spec)
-    if port is not None and reports[0][1].get("port") is None:
+    _refuse("Preflight failed; nothing was started", problems)
+    release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
+    base = release(reports[0][1])
+    odd = [
+        (h, f"has torch {r['torch']}, torchvision {r['torchvision']}")
+        for h, r in reports
+        if release(r) != base
+    ]
+    head = f"The hosts run different versions of torch/torchvision (node 0: {base}); install "
+    _refuse(head + "the same on every host", odd)
+    first = reports[0][1]["fingerprint"] or ""  # without a data_dir, every one is None
+    differ = [
+        (h, f"holds fingerprint {r['fingerprint'][:12]}")
+        for h, r in reports
+        if (r["fingerprint"] or "") != first
+    ]
+    head = (
+        f"The dataset at {data_dir} differs from node 0's ({reports[0][0].spec}, fingerprint "
+        f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
+    )
+    _refuse(head, differ)
+    if port and reports[0][1]["port"] is None:
         raise HostError(
             f"Port {port} is already in use on node 0 ({reports[0][0].spec}). Pass another "
             "master_port, or None to pick a free one.",
             host=reports[0][0].spec,
         )
+    return got
 
 
-def _lines(head: str, problems: Sequence[tuple[Host, str]]) -> str:
-    return head + ":\n" + "\n".join(f"  - {h.spec} {why}." for h, why in problems)
-
-
-# -- files: tar streams over the SSH connection ------------------------------------------
-
-UNPACK = """
-import os, sys, tarfile
-dest = sys.argv[1]
-os.makedirs(dest, exist_ok=True)
-with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
-    for m in tar:
-        parts = m.name.split("/")
-        if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir()):
-            continue
-        tar.extract(m, dest, set_attrs=False)
-"""
-
-PACK = """
-import os, sys, tarfile
-root, names = sys.argv[1], sys.argv[2:]
-with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
-    for name in names:
-        if os.path.exists(os.path.join(root, name)):
-            tar.add(os.path.join(root, name), arcname=name)
-"""
-
-
-def push(
-    ssh: Ssh,
-    host: Host,
-    python: str,
-    remote_dir: str,
-    files: Mapping[str, bytes],
-    timeout: float = 60,
-) -> None:
-    """Write ``files`` (name -> content) into ``remote_dir`` on ``host``."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
-    cmd = ssh.command(host, remote_line([python, "-c", UNPACK, remote_dir]))
-    out = subprocess.run(
-        cmd, input=buf.getvalue(), capture_output=True, timeout=timeout, env=dict(os.environ)
-    )
-    if out.returncode != 0:
-        raise HostError(
-            f"Could not copy the worker to {host.spec}:{remote_dir}: "
-            f"{_explain(out.returncode, out.stderr.decode(errors='replace'), python)}.",
-            host=host.spec,
-        )
-
-
-def pull(
-    ssh: Ssh,
-    host: Host,
-    python: str,
-    remote_dir: str,
-    names: Sequence[str],
-    local_dir: Path,
-    timeout: float = 60,
-) -> bool:
-    """Copy ``names`` under ``remote_dir`` from ``host`` into ``local_dir``; False if unreadable."""
-    cmd = ssh.command(host, remote_line([python, "-c", PACK, remote_dir, *names]))
-    try:
-        out = subprocess.run(
-            cmd,
-            capture_output=True,
-            timeout=timeout,
-            env=dict(os.environ),
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        return False
-    if out.returncode != 0:
-        return False
-    with tarfile.open(fileobj=io.BytesIO(out.stdout), mode="r:") as tar:
-        for m in tar.getmembers():
-            parts = PurePosixPath(m.name).parts
-            if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir()):
-                continue
-            target = local_dir.joinpath(*parts)
-            if m.isdir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.pull")
-            tmp.write_bytes(tar.extractfile(m).read())
-            os.replace(tmp, target)  # a reader never sees half a file
-    return True
+def _refuse(head: str, found: Sequence[tuple[Host, str]]) -> None:
+    """Raise a HostError naming each host of ``found`` and why, if any."""
+    if found:
+        lines = "\n".join(f"  - {h.spec} {why}." for h, why in found)
+        raise HostError(f"{head}:\n{lines}", host=found[0][0].spec)
