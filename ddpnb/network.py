@@ -31,7 +31,6 @@ CHECKS = {
     "mesh": "a TCP connection to every other host's ephemeral port, as gloo and NCCL make",
     "versions": "torch, CUDA and NCCL, compared with node 0's",
 }
-AGENT_SOURCE = Path(meshcheck.__file__).read_text()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +173,9 @@ def _run_agents(ssh: Ssh, hosts: Sequence[Host], python: str, args: dict) -> lis
 
 def _agent(ssh: Ssh, host: Host, python: str, args: dict) -> tuple[subprocess.Popen, queue.Queue]:
     """meshcheck's agent on ``host``, and the queue of its records (last: why it ended)."""
-    line = remote_line([python, "-c", AGENT_SOURCE, "--agent", json.dumps(args)])
+    line = remote_line(
+        [python, "-c", Path(meshcheck.__file__).read_text(), "--agent", json.dumps(args)]
+    )
     pipe = subprocess.PIPE  # a session of its own: ours to end, by its process group
     proc = subprocess.Popen(ssh.command(host, line), stdin=pipe, stdout=pipe,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip

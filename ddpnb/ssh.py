@@ -1,13 +1,14 @@
 """Reaching real machines over SSH: the system's OpenSSH client; the hosts need only Python.
 
 Remote lines are built with ``shlex`` from argument lists. What runs on the hosts (the probe,
-the file transfers as tar streams) is :data:`HELPERS`: functions of this module whose source
+the file transfers as tar streams) is :func:`helpers`: functions of this module whose source
 goes as ``python -c``, so the hosts need no ``scp``, ``tar``, nor anything of ddpnb.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -146,7 +147,7 @@ def remote_line(
     return f"cd {shlex.quote(str(cwd))} && {line}" if cwd else line
 
 
-# -- what runs on the hosts: HELPERS, these functions' source ---------------------------------
+# -- what runs on the hosts: helpers(), these functions' source ---------------------------------
 
 
 def probe(args: dict) -> None:
@@ -220,19 +221,24 @@ def unpack(dest: str, clean: list[str] = (), stream=None) -> None:
 
 
 _SHIPPED = (dataset_files, dataset_fingerprint, probe, pack, unpack)
-HELPERS = (
-    "from __future__ import annotations\n"
-    "import hashlib, json, os, shutil, socket, sys, tarfile\nfrom pathlib import Path\n"
-    + "".join(inspect.getsource(f) for f in _SHIPPED)
-    + "globals()[sys.argv[1]](*json.loads(sys.argv[2]))\n"
-)
+
+
+@functools.cache
+def helpers() -> str:
+    """The program the hosts run: the source of :data:`_SHIPPED` and a call by name."""
+    return (
+        "from __future__ import annotations\n"
+        "import hashlib, json, os, shutil, socket, sys, tarfile\nfrom pathlib import Path\n"
+        + "".join(inspect.getsource(f) for f in _SHIPPED)
+        + "globals()[sys.argv[1]](*json.loads(sys.argv[2]))\n"
+    )
 
 
 def run_helper(
     ssh: Ssh, host: Host, python: str, name: str, *args, timeout: float, input: bytes = b""
 ) -> subprocess.CompletedProcess:
-    """``name(*args)`` of :data:`HELPERS` on ``host``, ``input`` its stdin."""
-    cmd = ssh.command(host, remote_line([python, "-c", HELPERS, name, json.dumps(args)]))
+    """``name(*args)`` of :func:`helpers` on ``host``, ``input`` its stdin."""
+    cmd = ssh.command(host, remote_line([python, "-c", helpers(), name, json.dumps(args)]))
     return subprocess.run(cmd, input=input, capture_output=True, timeout=timeout)
 
 
