@@ -140,6 +140,20 @@ def test_resume_and_a_restart_without_the_shared_filesystem(hosts, tiny_data, tm
         assert [r["restart_count"] for r in rows] == [0, 1, 1]
         assert "after epoch 1" in restarted.log_tail(1, 400)
         _checksums_agree(restarted.metrics)
+        # The hosts still hold that run when the launcher's copy is gone: refused, nothing
+        # changed there; overwrite=True replaces what they held.
+        shutil.rmtree(run / "restart")
+        with pytest.raises(HostError, match=r"already holds a run \(found .*checkpoints"):
+            _launch(hosts, cfg, run / "restart", hosts.private)
+        assert "last.pt" in hosts.in_private(0, ["ls", str(run / "restart" / "checkpoints")]).stdout
+        stale = run / "restart" / "logs" / "stale"  # what only the old run had
+        assert hosts.in_private(1, ["touch", str(stale)]).returncode == 0
+        again = _launch(
+            hosts, cfg.replace(epochs=1), run / "restart", hosts.private, overwrite=True
+        )
+        assert [r["epoch"] for r in again.metrics.epochs] == [1]
+        assert [r["restart_count"] for r in again.metrics.epochs] == [0]
+        assert hosts.in_private(1, ["test", "-e", str(stale)]).returncode == 1
     finally:
         shutil.rmtree(run, ignore_errors=True)
     assert not _no_leftovers(hosts)
