@@ -72,10 +72,13 @@ ENDED_HINTS = {
 # -- talking to Slurm ----------------------------------------------------------------------
 
 
-def _run_slurm(
-    argv: list[str], env: Mapping[str, str] | None, cwd: Path | None = None
+def _slurm(
+    argv: list[str],
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    check: bool = True,
 ) -> subprocess.CompletedProcess:
-    """Run a Slurm command; SlurmError if it is missing or does not answer."""
+    """Run a Slurm command; SlurmError if it is missing, does not answer or (``check``) fails."""
     exe = shutil.which(argv[0], path=(env or os.environ).get("PATH"))
     if exe is None:
         raise SlurmError(
@@ -84,7 +87,7 @@ def _run_slurm(
             "`module load slurm`); without Slurm, print the script with ddpnb.slurm_script()."
         )
     try:
-        return subprocess.run(
+        r = subprocess.run(
             [exe, *argv[1:]],
             cwd=cwd,
             env=env or None,
@@ -95,19 +98,14 @@ def _run_slurm(
         )
     except subprocess.TimeoutExpired:
         raise SlurmError(f"{argv[0]} did not answer within 60 s: is slurmctld reachable?") from None
-
-
-def _slurm(argv: list[str], env: Mapping[str, str] | None = None) -> str:
-    """A Slurm command's stdout; SlurmError when it fails."""
-    r = _run_slurm(argv, env)
-    if r.returncode != 0:
+    if check and r.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed (exit {r.returncode}): {r.stderr.strip()}")
-    return r.stdout
+    return r
 
 
 def job_state(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, str] | None:
     """Slurm's fields for a job (``JobState`` ``UNKNOWN`` once forgotten); None: no answer."""
-    r = _run_slurm(["scontrol", "show", "job", "-o", str(job_id)], env)
+    r = _slurm(["scontrol", "show", "job", "-o", str(job_id)], env, check=False)
     if r.returncode == 0 and r.stdout.strip():
         return dict(re.findall(r"(\S+?)=(\S*)", r.stdout.splitlines()[0]))
     if "Invalid job id" not in r.stderr:
@@ -118,7 +116,7 @@ def job_state(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, st
     if shutil.which("sacct", path=(env or os.environ).get("PATH")) is None:
         return gone
     fields = "State,ExitCode,NodeList,Start"
-    r = _run_slurm(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", fields], env)
+    r = _slurm(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", fields], env, check=False)
     lines = r.stdout.splitlines() if r.returncode == 0 else []
     if not lines:
         return gone
@@ -131,13 +129,13 @@ def hostnames(nodelist: str, env: Mapping[str, str] | None = None) -> list[str]:
     """``n[1-3]`` as ``['n1', 'n2', 'n3']`` (``scontrol show hostnames``)."""
     if nodelist in NO_VALUE:
         return []
-    return _slurm(["scontrol", "show", "hostnames", nodelist], env).split()
+    return _slurm(["scontrol", "show", "hostnames", nodelist], env).stdout.split()
 
 
 def slurm_available(env: Mapping[str, str] | None = None) -> bool:
     """True when Slurm's commands are here and a controller answers (``sinfo``)."""
     try:
-        answers = _run_slurm(["sinfo", "-h", "-o", "%P"], env).returncode == 0
+        answers = _slurm(["sinfo", "-h", "-o", "%P"], env, check=False).returncode == 0
     except SlurmError:
         return False
     return answers and shutil.which("sbatch", path=(env or os.environ).get("PATH")) is not None
@@ -153,7 +151,7 @@ def check_slurm_request(
     _slurm(["sbatch", "--version"], env)
     parts: dict[str, dict] = {}
     default = None
-    for line in _slurm(["sinfo", "-h", "-o", "%P|%D|%G|%a"], env).splitlines():
+    for line in _slurm(["sinfo", "-h", "-o", "%P|%D|%G|%a"], env).stdout.splitlines():
         name, nodes, gres, avail = (line.split("|") + [""] * 4)[:4]
         if name.endswith("*"):
             name = default = name[:-1]
@@ -262,7 +260,7 @@ class Slurm(Scheduler):
         output = f"--output={run_dir / 'logs' / 'slurm-%j.out'}"
         argv = ["sbatch", "--parsable", output, *o["sbatch_args"], str(run_dir / SCRIPT_NAME)]
         submitted_at = time.time()
-        r = _run_slurm(argv, self.env, cwd=run_dir)
+        r = _slurm(argv, self.env, cwd=run_dir, check=False)
         if r.returncode != 0 or not r.stdout.strip():
             raise SlurmError(
                 f"sbatch refused the job (exit {r.returncode}): {r.stderr.strip()} "
@@ -349,7 +347,8 @@ class Slurm(Scheduler):
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
         info = self.slurm_state(fresh=True)
-        state, exit_code, batch_log = self.state, _exit_code(info), self.batch_log()
+        state, exit_code = info.get("JobState", "UNKNOWN"), _exit_code(info)
+        batch_log = self.batch_log()
         if exit_code == NOT_SHARED_EXIT:
             return RunDirNotShared(
                 f"Slurm job {self.job_id} stopped at once: a node could not see the run directory "
