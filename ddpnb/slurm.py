@@ -306,7 +306,6 @@ class Slurm(Scheduler):
         return self.slurm_state().get("JobState", "UNKNOWN")
 
     def batch_log(self) -> Path:
-        """The batch script's own output (``logs/slurm-<job id>.out``)."""
         return self.run_dir / "logs" / f"slurm-{self.job_id}.out"
 
     def pending(self) -> str | None:
