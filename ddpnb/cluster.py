@@ -24,13 +24,6 @@ FINGERPRINT_NOTE = (
 )
 
 
-def _is_public(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_global
-    except ValueError:
-        return False  # a hostname: cannot tell
-
-
 def node_commands(
     what: Script | TrainConfig | Mapping[str, Any],
     run_dir: str | os.PathLike,
@@ -46,12 +39,11 @@ def node_commands(
 ) -> list[str]:
     """The exact ``torchrun`` command to paste on each host (``hosts[0]`` is the master).
 
-    ``what``: a :class:`~ddpnb.Script` or the worker's TrainConfig. ``rendezvous="static"``
-    gives each host its ``--node_rank``; ``"c10d"``: an elastic rendezvous on the first host,
-    each line naming its own ``--local_addr`` (torchrun would otherwise go by the host name,
-    which on clusters with a separate training network resolves elsewhere). ``run_dir``:
-    where the script's files sit on every node. ``node_rank``: only that node's line.
-    ``launcher``: what starts torchrun (e.g. ``["python3", "-m", "torch.distributed.run"]``).
+    ``what``: a :class:`~ddpnb.Script` or the worker's TrainConfig; ``run_dir``: where its
+    files sit on every node. ``rendezvous="static"`` gives each host its ``--node_rank``;
+    ``"c10d"``: an elastic rendezvous on the first host, each line naming its own
+    ``--local_addr``. ``node_rank``: only that node's line. ``launcher``: what starts
+    torchrun (e.g. ``["python3", "-m", "torch.distributed.run"]``).
 
     >>> cmds = node_commands(TrainConfig(), "/shared/run", hosts=["10.0.0.1", "10.0.0.2"])
     >>> cmds[1].split()[:3]
@@ -68,7 +60,11 @@ def node_commands(
             f"node_rank must be in 0..{nnodes - 1} (node_rank < nnodes = len(hosts)), "
             f"got {node_rank!r}."
         )
-    if _is_public(hosts[0]):
+    try:
+        public = ipaddress.ip_address(hosts[0]).is_global
+    except ValueError:
+        public = False  # a hostname: cannot tell
+    if public:
         warnings.warn(
             f"master address {hosts[0]} is a public address. torch.distributed's TCPStore has no "
             "authentication: run multi-node jobs only on a trusted private network.",

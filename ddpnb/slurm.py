@@ -35,7 +35,7 @@ from .errors import (
 )
 from .job import Job, Scheduler
 from .log import logger
-from .metrics import read_progress
+from .metrics import read_json, read_progress
 from .pipeline import run
 from .plan import HANG_TIMEOUT
 from .preflight import as_config, check_progress
@@ -47,7 +47,6 @@ from .topology import Topology
 POLL_SECONDS = 2.0  # between questions to slurmctld: a shared service, asked gently
 STOP_TIMEOUT = 60.0  # scancel: Slurm's KillWait plus its epilog, with room to spare
 SLURM_RDZV_TIMEOUT = 300  # seconds the nodes have to join: Slurm starts them one by one
-MESHCHECK_PATH = Path(__file__).with_name("meshcheck.py")
 JOB_FILE = "slurm_job.json"  # what attach() needs: the job id, the shape, the cluster
 SCRIPT_NAME = "train.sbatch"
 MARKER_NAME = ".ddpnb-submit-marker"
@@ -58,6 +57,7 @@ ALIVE = set(
     "RESIZING SIGNALING STAGE_OUT STOPPED".split()
 )
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "")
+NO_VALUE = ("", "None", "(null)")  # Slurm's words for an empty field
 ENDED_HINTS = {
     "TIMEOUT": "it ran into its time limit: submit again with a longer time= and resume=True",
     "NODE_FAIL": "a node of the allocation failed: submit again with resume=True",
@@ -72,14 +72,13 @@ ENDED_HINTS = {
 # -- talking to Slurm ----------------------------------------------------------------------
 
 
-def _slurm_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    return {**os.environ, **(extra or {})}
-
-
-def _run_slurm(
-    argv: list[str], env: Mapping[str, str] | None, cwd: Path | None = None
+def _slurm(
+    argv: list[str],
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    check: bool = True,
 ) -> subprocess.CompletedProcess:
-    """Run a Slurm command; SlurmError if it is missing or does not answer."""
+    """Run a Slurm command; SlurmError if it is missing, does not answer or (``check``) fails."""
     exe = shutil.which(argv[0], path=(env or os.environ).get("PATH"))
     if exe is None:
         raise SlurmError(
@@ -88,10 +87,10 @@ def _run_slurm(
             "`module load slurm`); without Slurm, print the script with ddpnb.slurm_script()."
         )
     try:
-        return subprocess.run(
+        r = subprocess.run(
             [exe, *argv[1:]],
             cwd=cwd,
-            env=dict(env or _slurm_env()),
+            env=env or None,
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -99,88 +98,47 @@ def _run_slurm(
         )
     except subprocess.TimeoutExpired:
         raise SlurmError(f"{argv[0]} did not answer within 60 s: is slurmctld reachable?") from None
-
-
-def _slurm(argv: list[str], env: Mapping[str, str] | None = None) -> str:
-    """A Slurm command's stdout; SlurmError when it fails."""
-    r = _run_slurm(argv, env)
-    if r.returncode != 0:
+    if check and r.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed (exit {r.returncode}): {r.stderr.strip()}")
-    return r.stdout
-
-
-def _fields(text: str) -> dict[str, str]:
-    """``scontrol show -o``'s ``Key=Value`` pairs as a dict."""
-    return dict(re.findall(r"(\S+?)=(\S*)", text))
+    return r
 
 
 def job_state(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, str] | None:
-    """Slurm's view of a job; ``{}`` when it no longer knows it, None when it did not answer.
-
-    >>> job_state("12345")["JobState"]                     # doctest: +SKIP
-    'RUNNING'
-    """
-    r = _run_slurm(["scontrol", "show", "job", "-o", str(job_id)], env)
+    """Slurm's fields for a job (``JobState`` ``UNKNOWN`` once forgotten); None: no answer."""
+    r = _slurm(["scontrol", "show", "job", "-o", str(job_id)], env, check=False)
     if r.returncode == 0 and r.stdout.strip():
-        return _fields(r.stdout.splitlines()[0])
+        return dict(re.findall(r"(\S+?)=(\S*)", r.stdout.splitlines()[0]))
     if "Invalid job id" not in r.stderr:
         logger.debug("scontrol show job %s: %s", job_id, r.stderr.strip())
         return None  # slurmctld busy or restarting: ask again later
+    # Purged (MinJobAge passed): the accounting, where there is one, still knows it.
+    gone = {"JobState": "UNKNOWN", "Reason": "Slurm no longer knows the job"}
     if shutil.which("sacct", path=(env or os.environ).get("PATH")) is None:
-        return {}
-    r = _run_slurm(
-        ["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "State,ExitCode,NodeList,Start"], env
-    )
-    for line in r.stdout.splitlines() if r.returncode == 0 else []:
-        state, exit_code, nodes, start = (line.split("|") + ["", "", "", ""])[:4]
-        # sacct writes "CANCELLED by 0"
-        return {
-            "JobState": state.split()[0] if state else "",
-            "Reason": "None",
-            "ExitCode": exit_code,
-            "NodeList": nodes,
-            "StartTime": start,
-        }
-    return {}
+        return gone
+    fields = "State,ExitCode,NodeList,Start"
+    r = _slurm(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", fields], env, check=False)
+    lines = r.stdout.splitlines() if r.returncode == 0 else []
+    if not lines:
+        return gone
+    state, *rest = lines[0].split("|")
+    info = dict(zip(("ExitCode", "NodeList", "StartTime"), rest))
+    return {"JobState": state.partition(" ")[0], "Reason": "None", **info}  # "CANCELLED by 0"
 
 
 def hostnames(nodelist: str, env: Mapping[str, str] | None = None) -> list[str]:
     """``n[1-3]`` as ``['n1', 'n2', 'n3']`` (``scontrol show hostnames``)."""
-    if not _known(nodelist):
+    if nodelist in NO_VALUE:
         return []
-    return _slurm(["scontrol", "show", "hostnames", nodelist], env).split()
+    return _slurm(["scontrol", "show", "hostnames", nodelist], env).stdout.split()
 
 
 def slurm_available(env: Mapping[str, str] | None = None) -> bool:
-    """True when Slurm's commands are here and a controller answers (``sinfo``).
-
-    >>> slurm_available()                                   # doctest: +SKIP
-    False
-    """
+    """True when Slurm's commands are here and a controller answers (``sinfo``)."""
     try:
-        return _run_slurm(["sinfo", "-h", "-o", "%P"], env).returncode == 0 and bool(
-            shutil.which("sbatch", path=(env or os.environ).get("PATH"))
-        )
+        answers = _slurm(["sinfo", "-h", "-o", "%P"], env, check=False).returncode == 0
     except SlurmError:
         return False
-
-
-# -- preflight ----------------------------------------------------------------------------
-
-
-def _partitions(env: Mapping[str, str]) -> dict[str, dict]:
-    out = _slurm(["sinfo", "-h", "-o", "%P|%D|%c|%G|%a"], env)
-    parts: dict[str, dict] = {}
-    for line in out.splitlines():
-        name, nodes, _cpus, gres, avail = (line.split("|") + [""] * 5)[:5]
-        default = name.endswith("*")
-        name = name.rstrip("*")
-        gpus = [int(m) for m in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
-        part = parts.setdefault(name, {"nodes": 0, "gpus": 0, "up": False, "default": default})
-        part["nodes"] += int(nodes or 0)  # one line per group of alike nodes
-        part["gpus"] = max([part["gpus"], *gpus])
-        part["up"] |= avail == "up"
-    return parts
+    return answers and shutil.which("sbatch", path=(env or os.environ).get("PATH")) is not None
 
 
 def check_slurm_request(
@@ -189,26 +147,31 @@ def check_slurm_request(
     gpus_per_node: int | None,
     env: Mapping[str, str] | None = None,
 ) -> str:
-    """Check that sbatch exists and the partition can hold the job; return the partition.
-
-    >>> check_slurm_request(2, "gpu", 4)                    # doctest: +SKIP
-    'gpu'
-    """
-    env = env or _slurm_env()
+    """Check that sbatch exists and the partition can hold the job; return the partition."""
     _slurm(["sbatch", "--version"], env)
-    parts = _partitions(env)
-    if partition is None:
-        partition = next((n for n, p in parts.items() if p["default"]), None)
-        if partition is None:
-            raise SlurmRequestError(
-                "This cluster has no default partition: pass partition= (one of "
-                f"{', '.join(sorted(parts)) or 'none found'}; `sinfo` lists them)."
-            )
+    parts: dict[str, dict] = {}
+    default = None
+    for line in _slurm(["sinfo", "-h", "-o", "%P|%D|%G|%a"], env).stdout.splitlines():
+        name, nodes, gres, avail = (line.split("|") + [""] * 4)[:4]
+        if name.endswith("*"):
+            name = default = name[:-1]
+        gpus = [int(m) for m in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
+        part = parts.setdefault(name, {"nodes": 0, "gpus": 0, "up": False})
+        part["nodes"] += int(nodes or 0)  # one line per group of alike nodes
+        part["gpus"] = max([part["gpus"], *gpus])
+        part["up"] |= avail == "up"
+    names = ", ".join(sorted(parts))
+    if partition is None and default is None:
+        raise SlurmRequestError(
+            "This cluster has no default partition: pass partition= (one of "
+            f"{names or 'none found'}; `sinfo` lists them)."
+        )
+    partition = default if partition is None else partition
     part = parts.get(partition)
     if part is None:
         raise SlurmRequestError(
-            f"Slurm has no partition {partition!r}. Partitions here: "
-            f"{', '.join(sorted(parts)) or 'none'} (`sinfo` lists them)."
+            f"Slurm has no partition {partition!r}. Partitions here: {names or 'none'} "
+            "(`sinfo` lists them)."
         )
     if not part["up"]:
         logger.warning("partition %s is not up: the job will wait until it is", partition)
@@ -225,21 +188,26 @@ def check_slurm_request(
     return partition
 
 
+def _exit_code(info: Mapping[str, str]) -> int | None:
+    """Slurm's ``ExitCode=1:0`` (exit status : signal) as the exit status."""
+    m = re.match(r"(\d+):(\d+)", info.get("ExitCode", ""))
+    return int(m.group(1)) if m else None
+
+
+def _read_tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 # -- the job -------------------------------------------------------------------------------
 
 
-def _timestamp(text: str) -> float | None:
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
 class Slurm(Scheduler):
-    """The Slurm scheduler: a run as one batch job (``job_id``: one submitted earlier).
+    """A run as one batch job (``job_id``: one submitted earlier).
 
-    ``options``: ``partition``, ``time``, ``account``, ``gpus_per_node``, ``sbatch_args``,
-    ``python``.
+    ``options``: partition, time, account, gpus_per_node, sbatch_args, python.
     """
 
     watch_stalls = False  # a queued job is silent for as long as Slurm makes it wait
@@ -255,7 +223,6 @@ class Slurm(Scheduler):
         self.master_addr: str | None = None  # the allocation's first node, once it runs
         self._state: dict[str, str] = {}
         self._asked = 0.0
-        self.cancelled_here = False
 
     @property
     def master_port(self) -> int | None:
@@ -269,26 +236,37 @@ class Slurm(Scheduler):
         )
 
     def preflight(self, plan, run_dir: Path) -> Topology:
-        _refuse_live_job(run_dir, self.env)
+        old = read_json(run_dir / JOB_FILE).get("job_id")  # a job of this run directory
+        state = (job_state(old, self.env) or {}).get("JobState", "") if old else ""
+        if state in ALIVE:
+            raise SlurmError(
+                f"Slurm job {old} still runs in {run_dir} ({state}). Follow it with "
+                f"ddpnb.attach({str(run_dir)!r}), or cancel it (scancel {old}) before submitting again."
+            )
         return self.topology  # the first node and the port: the job's, once it runs
 
     def start(self, plan, run_dir: Path, topology: Topology) -> None:
         o = self.options
         token = secrets.token_hex(16)
         (run_dir / MARKER_NAME).write_text(token + "\n")
-        (run_dir / MESHCHECK_NAME).write_bytes(MESHCHECK_PATH.read_bytes())
-        # sbatch's --output goes on its command line: a #SBATCH line cannot hold a space.
-        sbatch = sbatch_options(
-            topology.nnodes, "ddpnb", o["time"], o["gpus_per_node"],
+        shutil.copyfile(Path(__file__).with_name("meshcheck.py"), run_dir / MESHCHECK_NAME)
+        env = plan.user_env(str(run_dir), os.environ.get("PYTHONPATH"))
+        text = batch_script(
+            plan.script, run_dir, topology, o["python"], o["time"], o["gpus_per_node"], env, token,
             partition=o["partition"], account=o["account"],
         )  # fmt: skip
-        env = plan.user_env(str(run_dir), os.environ.get("PYTHONPATH"))
-        text = batch_script(plan.script, run_dir, topology, sbatch, o["python"], env, token)
         (run_dir / SCRIPT_NAME).write_text(text)
+        # sbatch's --output goes on its command line: a #SBATCH line cannot hold a space.
         output = f"--output={run_dir / 'logs' / 'slurm-%j.out'}"
         argv = ["sbatch", "--parsable", output, *o["sbatch_args"], str(run_dir / SCRIPT_NAME)]
         submitted_at = time.time()
-        self.run_dir, self.job_id = run_dir, _submit(argv, run_dir, self.env).strip().split(";")[0]
+        r = _slurm(argv, self.env, cwd=run_dir, check=False)
+        if r.returncode != 0 or not r.stdout.strip():
+            raise SlurmError(
+                f"sbatch refused the job (exit {r.returncode}): {r.stderr.strip()} "
+                f"The script is {run_dir / SCRIPT_NAME}."
+            )
+        self.run_dir, self.job_id = run_dir, r.stdout.strip().split(";")[0]
         logger.info(
             "submitted Slurm job %s: %d node(s) x %d process(es)",
             self.job_id,
@@ -315,14 +293,11 @@ class Slurm(Scheduler):
     def slurm_state(self, fresh: bool = False) -> dict[str, str]:
         """Slurm's fields for the job, asked at most every POLL_SECONDS unless ``fresh``."""
         if fresh or time.monotonic() - self._asked >= POLL_SECONDS:
-            state = job_state(self.job_id, self.env)
+            self._state = job_state(self.job_id, self.env) or self._state  # None: ask later
             self._asked = time.monotonic()
-            if state == {}:  # purged (MinJobAge passed) and no accounting to ask
-                state = {"JobState": "UNKNOWN", "Reason": "Slurm no longer knows the job"}
-            self._state = self._state if state is None else state  # None: ask again later
-            nodes = self._state.get("NodeList", "")
-            if self.master_addr is None and _known(nodes):
-                self.master_addr = (hostnames(nodes, self.env) or [None])[0]
+            if self.master_addr is None:
+                nodes = hostnames(self._state.get("NodeList", ""), self.env)
+                self.master_addr = nodes[0] if nodes else None
         return self._state
 
     @property
@@ -331,7 +306,6 @@ class Slurm(Scheduler):
         return self.slurm_state().get("JobState", "UNKNOWN")
 
     def batch_log(self) -> Path:
-        """The batch script's own output (``logs/slurm-<job id>.out``)."""
         return self.run_dir / "logs" / f"slurm-{self.job_id}.out"
 
     def pending(self) -> str | None:
@@ -339,20 +313,20 @@ class Slurm(Scheduler):
         if info.get("JobState", "") not in QUEUED:
             return None
         reason = info.get("Reason", "")
-        reason = "" if reason in ("None", "(null)") else reason  # Slurm's word for no reason
-        return f"pending ({reason})" if reason else "pending"
+        return "pending" if reason in NO_VALUE else f"pending ({reason})"
 
     def since(self) -> float | None:
-        return _timestamp(self.slurm_state().get("StartTime", ""))
+        try:
+            return datetime.fromisoformat(self.slurm_state().get("StartTime", "")).timestamp()
+        except ValueError:
+            return None
 
     def poll(self) -> dict[int, int | None]:
-        info = self.slurm_state()
-        state = info.get("JobState", "UNKNOWN")
+        state, code = self.state, _exit_code(self._state)
         if state in ALIVE:
             return dict.fromkeys(range(self.nnodes))
-        code = _exit_code(info.get("ExitCode", ""))
         if (state == "COMPLETED" and code in (0, None)) or (
-            state == "UNKNOWN" and _finished_on_disk(self.run_dir)
+            state == "UNKNOWN" and read_progress(self.run_dir).get("phase") == "done"
         ):
             return dict.fromkeys(range(self.nnodes), 0)
         return dict.fromkeys(range(self.nnodes), code or 1)  # the job ended without completing
@@ -360,7 +334,6 @@ class Slurm(Scheduler):
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """Cancel the job (``scancel``); return once Slurm reports that it ended."""
         if self.slurm_state(fresh=True).get("JobState") in ALIVE:
-            self.cancelled_here = True
             _slurm(["scancel", self.job_id], self.env)
         deadline = time.monotonic() + timeout
         while self.slurm_state(fresh=True).get("JobState") in ALIVE:
@@ -373,27 +346,27 @@ class Slurm(Scheduler):
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
         info = self.slurm_state(fresh=True)
-        state = info.get("JobState", "UNKNOWN")
-        exit_code = _exit_code(info.get("ExitCode", ""))
+        state, exit_code = info.get("JobState", "UNKNOWN"), _exit_code(info)
+        batch_log = self.batch_log()
         if exit_code == NOT_SHARED_EXIT:
             return RunDirNotShared(
                 f"Slurm job {self.job_id} stopped at once: a node could not see the run directory "
                 f"{self.run_dir} (the marker written at submission was missing there). The run "
                 "directory must be on a filesystem shared by this host and every node (e.g. "
                 "/home or /scratch on most clusters); choose such a run_dir.",
-                log_tail=_read_tail(self.batch_log(), 10),
+                log_tail=_read_tail(batch_log, 10),
             )
         if exit_code == NETWORK_EXIT:
             return NetworkError(
                 f"Slurm job {self.job_id} stopped before training: the network check of its "
-                f"first step failed. From the batch log ({self.batch_log()}):\n"
-                + _read_tail(self.batch_log(), 30)
+                f"first step failed. From the batch log ({batch_log}):\n"
+                + _read_tail(batch_log, 30)
             )
         if state == "FAILED":
-            if not any(p.exists() for p in (self.run_dir / "logs").glob("node-*.log")):
+            if not any((self.run_dir / "logs").glob("node-*.log")):
                 error.args = (
                     f"{error} No node log was written: check the batch log "
-                    f"({self.batch_log()}) and that the run directory is on a shared filesystem.",
+                    f"({batch_log}) and that the run directory is on a shared filesystem.",
                 )
             return error
         nodes = hostnames(info.get("NodeList", ""), self.env)
@@ -406,29 +379,8 @@ class Slurm(Scheduler):
             reason=reason,
             job_id=self.job_id,
             exit_code=exit_code,
-            log_tail=log_tail(self.run_dir, 0, 20) or _read_tail(self.batch_log(), 20),
+            log_tail=log_tail(self.run_dir, 0, 20) or _read_tail(batch_log, 20),
         )
-
-
-def _finished_on_disk(run_dir: Path) -> bool:
-    return read_progress(run_dir).get("phase") == "done"
-
-
-def _known(nodelist: str) -> bool:
-    return nodelist not in ("", "(null)", "None")
-
-
-def _exit_code(text: str) -> int | None:
-    """Slurm's ``ExitCode=1:0`` (exit status : signal) as the exit status."""
-    m = re.match(r"(\d+):(\d+)", text or "")
-    return int(m.group(1)) if m else None
-
-
-def _read_tail(path: Path, lines: int) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 # -- the batch script ------------------------------------------------------------------
@@ -499,15 +451,19 @@ def batch_script(
     script: Script,
     run_dir: Path,
     topology: Topology,
-    sbatch: Sequence[str],
-    python: str | None = None,
+    python: str | None,
+    time: str,
+    gpus_per_node: int | None,
     env: Mapping[str, str] | None = None,
     marker: str | None = None,
+    job_name: str = "ddpnb",
+    **sbatch: str | None,
 ) -> str:
     """The sbatch script: ``#SBATCH`` lines, then one torchrun per node.
 
-    Without ``topology.master_port`` the port follows from the job id, so two jobs on the same
-    node do not collide. ``marker``: the submission's token (adds the marker and network steps).
+    No ``topology.master_port``: one from the job id, so two jobs on one node do not collide.
+    ``marker``: the submission's token (adds the marker and network steps). ``sbatch``: more
+    of its options, a None one left out (``--open-mode=append``: for requeues).
     """
     q = shlex.quote
     port = str(topology.master_port or "$master_port")
@@ -515,18 +471,19 @@ def batch_script(
         [], None, script, str(run_dir), log_dir="", rendezvous="c10d", rdzv_id="$SLURM_JOB_ID",
         endpoint=f"$head_node:{port}",
     )  # fmt: skip
-    steps = {"marker": "", "network": ""}
+    options = [f"--job-name={job_name}", f"--nodes={topology.nnodes}", "--ntasks-per-node=1"]
+    options += [f"--time={time}", "--open-mode=append"]
+    options += [f"--{k}={v}" for k, v in sbatch.items() if v]
+    options += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    marker_step = network = ""
     if marker:
-        steps["marker"] = SUBMITTED.format(
-            marker_path=q(str(run_dir / MARKER_NAME)), marker=q(marker)
-        )
-        steps["network"] = NETWORK.format(python=q(python or "python3"), port=port)
-    port_line = "master_port=$((20000 + SLURM_JOB_ID % 20000))\n"
+        marker_step = SUBMITTED.format(marker_path=q(str(run_dir / MARKER_NAME)), marker=q(marker))
+        network = NETWORK.format(python=q(python or "python3"), port=port)
     return BATCH.format(
-        header="\n".join(f"#SBATCH {o}" for o in sbatch),
+        header="\n".join(f"#SBATCH {o}" for o in options),
         nproc=topology.nproc_per_node,
         note=FINGERPRINT_NOTE,
-        port_line="" if topology.master_port else port_line,
+        port_line="" if topology.master_port else "master_port=$((20000 + SLURM_JOB_ID % 20000))\n",
         run_dir=q(str(run_dir)),
         run_dir_env=RUN_DIR_ENV,
         exports="".join(f"export {k}={q(v)}\n" for k, v in (env or {}).items()),
@@ -534,18 +491,9 @@ def batch_script(
         rdzv_timeout=topology.rdzv_timeout,
         launcher=f"{q(python)} -m torch.distributed.run" if python else "torchrun",
         torchrun=" \\\n    ".join(_batch_word(a) for a in args),
-        **steps,
+        marker=marker_step,
+        network=network,
     )
-
-
-def sbatch_options(
-    nnodes: int, job_name: str, time: str, gpus_per_node: int | None, **named: str | None
-) -> list[str]:
-    """sbatch's options for one torchrun per node (``--open-mode=append``: for requeues)."""
-    options = [f"--job-name={job_name}", f"--nodes={nnodes}", "--ntasks-per-node=1"]
-    options += [f"--time={time}", "--open-mode=append"]
-    options += [f"--{k}={v}" for k, v in named.items() if v]
-    return options + ([f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else [])
 
 
 def slurm_script(
@@ -577,8 +525,16 @@ def slurm_script(
     script = what if isinstance(what, Script) else Script.worker(as_config(what))
     topology = Topology(nnodes, nproc_per_node, None, master_port, rdzv_timeout, max_restarts)
     named = {"output": "%x-%j.out", "partition": partition, "account": account}
-    sbatch = sbatch_options(nnodes, job_name, time_limit, gpus_per_node, **named)
-    text = batch_script(script, Path(run_dir), topology, sbatch, python)
+    text = batch_script(
+        script,
+        Path(run_dir),
+        topology,
+        python,
+        time_limit,
+        gpus_per_node,
+        job_name=job_name,
+        **named,
+    )
     if path is not None:
         Path(path).write_text(text)
     return text
@@ -618,10 +574,7 @@ def submit_slurm(
     Raises :class:`~ddpnb.errors.WorkerFailed` or :class:`SlurmJobEnded` on failure; the
     job outlives this process (:func:`attach` follows it again).
 
-    >>> job = submit_slurm(cfg, "/scratch/me/run", nnodes=2, partition="gpu",   # doctest: +SKIP
-    ...                    nproc_per_node=4, gpus_per_node=4, time="02:00:00")
-    >>> job.metrics.final["val_acc"]                                             # doctest: +SKIP
-    0.97
+    >>> job = submit_slurm(cfg, "/scratch/me/run", nnodes=2, time="02:00:00")  # doctest: +SKIP
     """
     if not isinstance(sbatch_args, (list, tuple)) or not all(
         isinstance(a, str) for a in sbatch_args
@@ -629,7 +582,7 @@ def submit_slurm(
         raise ConfigError("sbatch_args must be a list of strings, e.g. ['--qos=short'].")
     scheduler = Slurm(
         Topology(nnodes, nproc_per_node, None, None, rdzv_timeout, max_restarts),
-        _slurm_env({"PYTHONUNBUFFERED": "1", "DDPNB_LAUNCHED": "1"}),
+        {**os.environ, "PYTHONUNBUFFERED": "1", "DDPNB_LAUNCHED": "1"},
         gpus_per_node=gpus_per_node,
         partition=partition,
         time=time,
@@ -642,63 +595,36 @@ def submit_slurm(
     return run(what, Path(run_dir).resolve(), scheduler, wait=wait, **options)
 
 
-def _submit(argv: list[str], run_dir: Path, env: dict[str, str]) -> str:
-    r = _run_slurm(argv, env, cwd=run_dir)
-    if r.returncode != 0 or not r.stdout.strip():
-        raise SlurmError(
-            f"sbatch refused the job (exit {r.returncode}): {r.stderr.strip()} "
-            f"The script is {run_dir / SCRIPT_NAME}."
-        )
-    return r.stdout
-
-
-def _refuse_live_job(run_dir: Path, env: Mapping[str, str]) -> None:
-    """Refuse a second job in a run directory whose job still runs."""
-    try:
-        old = json.loads((run_dir / JOB_FILE).read_text())["job_id"]
-    except (OSError, ValueError, KeyError):
-        return
-    state = (job_state(old, env) or {}).get("JobState", "")
-    if state in ALIVE:
-        raise SlurmError(
-            f"Slurm job {old} still runs in {run_dir} ({state}). Follow it with "
-            f"ddpnb.attach({str(run_dir)!r}), or cancel it (scancel {old}) before submitting again."
-        )
-
-
 def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto") -> Job:
     """Follow a submitted Slurm job again, from any process (a new kernel, the CLI).
 
     Reads ``run_dir/slurm_job.json``; follows the job to its end when ``wait``.
-
-    >>> job = attach("/scratch/me/run")            # doctest: +SKIP
     """
     run_dir = Path(run_dir).resolve()
-    try:
-        record = json.loads((run_dir / JOB_FILE).read_text())
-    except (OSError, ValueError) as e:
+    record = read_json(run_dir / JOB_FILE)
+    if "job_id" not in record:
         raise LaunchError(
-            f"{run_dir} holds no submitted Slurm job ({JOB_FILE} missing or unreadable: {e}). "
+            f"{run_dir} holds no submitted Slurm job ({JOB_FILE} missing or unreadable). "
             "Submit one with ddpnb.submit_slurm()."
-        ) from None
-    extra = {}
-    if record.get("slurm_conf") and "SLURM_CONF" not in os.environ:
-        extra["SLURM_CONF"] = record["slurm_conf"]  # the cluster it was submitted to
-    config = None
-    if (run_dir / "config.json").exists() and record.get("script", WORKER_NAME) == WORKER_NAME:
-        config = TrainConfig.load(run_dir / "config.json")
+        )
+    env = dict(os.environ)
+    if record.get("slurm_conf") and "SLURM_CONF" not in env:
+        env["SLURM_CONF"] = record["slurm_conf"]  # the cluster it was submitted to
     name = record.get("script", WORKER_NAME)  # its path in the run directory
+    config = None
+    if name == WORKER_NAME and (run_dir / "config.json").exists():
+        config = TrainConfig.load(run_dir / "config.json")
+    topology = Topology(  # older records: the defaults
+        record["nnodes"], record["nproc_per_node"], None, None,
+        record.get("rdzv_timeout", SLURM_RDZV_TIMEOUT), record.get("max_restarts", 0),
+    )  # fmt: skip
     script = Script(run_dir / name, record.get("args", ()), rename=name)
     follow = {
         "progress": check_progress(progress),
         "hang_timeout": record.get("hang_timeout", HANG_TIMEOUT),
         "on_hang": record.get("on_hang", "stop"),
+        "started_at": record.get("submitted_at"),
     }
-    topology = Topology(  # older records: the defaults
-        record["nnodes"], record["nproc_per_node"], None, None,
-        record.get("rdzv_timeout", SLURM_RDZV_TIMEOUT), record.get("max_restarts", 0),
-    )  # fmt: skip
-    scheduler = Slurm(topology, _slurm_env(extra), run_dir, record["job_id"])
-    started = record.get("submitted_at")
-    job = Job(run_dir, script, config, topology, scheduler, **follow, started_at=started)
+    scheduler = Slurm(topology, env, run_dir, record["job_id"])
+    job = Job(run_dir, script, config, topology, scheduler, **follow)
     return job.wait() if wait else job
