@@ -94,10 +94,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         positive = ["image_size", "epochs", "batch_size", "checkpoint_every", "timeout_seconds"]
-        for name in positive:
+        for name in [*positive, "bucket_cap_mb"]:
             check_int(name, getattr(self, name))
-        if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
-            raise ConfigError("max_steps_per_epoch must be >= 1 or None.")
+        if self.max_steps_per_epoch is not None:
+            check_int("max_steps_per_epoch (or None)", self.max_steps_per_epoch)
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0, got {self.lr!r}.")
         for name in ["momentum", "weight_decay"]:
@@ -105,8 +105,6 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
         for name in ["num_workers", "threads", "seed"]:
             check_int(name, getattr(self, name), low=0)
-        if self.bucket_cap_mb < 1:
-            raise ConfigError("bucket_cap_mb must be >= 1.")
         if self.comm_hook == "shm" and self.backend == "nccl":
             raise ConfigError(
                 "comm_hook='shm' averages CPU tensors for gloo; NCCL already uses shared "

@@ -79,8 +79,7 @@ class Script:
                 f"{self.path}: a folder; the script is a file (e.g. {self.path}/train.py)."
             )
         sources = self._sources()
-        names = [n for n, _, _ in sources]
-        names += [*self.generated, REPORTING_NAME, MESHCHECK_NAME]
+        names = [n for n, _, _ in sources] + [*self.generated, REPORTING_NAME, MESHCHECK_NAME]
         twice = sorted({n for n in names if names.count(n) > 1})
         twice += sorted({n for n in names if n.split("/")[0] == HOOKS_DIR})
         if twice:
@@ -104,14 +103,12 @@ class Script:
 
     def _sources(self) -> list[tuple[str, Path, str]]:
         """(place in the run directory, file here, path given) of every file copied, once."""
-        out, seen = [], set()
+        out = {}  # (place, real file) -> the first (place, file, path given)
         given = [(self.name, self.path), *((_place(f), f) for f in self.files)]
         for place, path in given:
             for name, file in _walk(place, Path(path)):
-                if (name, os.path.realpath(file)) not in seen:
-                    seen.add((name, os.path.realpath(file)))
-                    out.append((name, file, str(path)))
-        return out
+                out.setdefault((name, os.path.realpath(file)), (name, file, str(path)))
+        return list(out.values())
 
     def command(self, run_dir: str | os.PathLike) -> list[str]:
         """The script and its arguments as torchrun runs them, with ``run_dir`` its folder."""
