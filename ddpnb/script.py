@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -164,14 +165,13 @@ def _walk(place: str, path: Path) -> list[tuple[str, Path]]:
 
 
 def _check_size(sources: list[tuple[str, Path, str]], max_mb: float) -> None:
-    sizes: dict[str, int] = {}
+    sizes = Counter()  # bytes by path given
     for _, file, given in sources:
-        sizes[given] = sizes.get(given, 0) + file.stat().st_size
+        sizes[given] += file.stat().st_size
     total = sum(sizes.values())
     if total <= max_mb * 1e6:
         return
-    largest = sorted(sizes.items(), key=lambda item: -item[1])[:3]
-    items = ", ".join(f"{given} ({_size(size)})" for given, size in largest)
+    items = ", ".join(f"{given} ({_size(size)})" for given, size in sizes.most_common(3))
     need = int(total / 1e6) + 1
     raise ConfigError(
         f"The script and its files are {_size(total)}, more than max_copy_mb={max_mb:g} "
