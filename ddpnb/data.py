@@ -101,9 +101,8 @@ def prepare_digits(
 
     digits = load_digits()
     images = (digits.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
-    index = np.arange(len(images))
     train_idx, val_idx = train_test_split(
-        index, test_size=val_fraction, stratify=digits.target, random_state=seed
+        np.arange(len(images)), test_size=val_fraction, stratify=digits.target, random_state=seed
     )
     root.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename at the end: an interrupted call leaves only a
@@ -126,8 +125,7 @@ def prepare_digits(
         os.replace(tmp, root)
         shutil.rmtree(old, ignore_errors=True)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
     return root
 
 

@@ -528,18 +528,18 @@ class Records:
         now = time.perf_counter()
         epoch_seconds, self.epoch_start = now - self.epoch_start, now
         if me.master_process:
+            speed = metrics["train_samples"] / train_seconds  # the run's images/s
             report.epoch(
                 epoch,
                 **metrics,
                 epoch_seconds=epoch_seconds,
-                images_per_second=metrics["train_samples"] / train_seconds,
+                images_per_second=speed,
                 restart_count=me.restart_count,
                 lr=scheduler.get_last_lr()[0],
             )
             me.log(
                 f"epoch {epoch}/{self.cfg['epochs']} train_loss {metrics['train_loss']:.4f} "
-                f"val_acc {metrics['val_acc']:.4f} "
-                f"{metrics['train_samples'] / train_seconds:.0f} img/s"
+                f"val_acc {metrics['val_acc']:.4f} {speed:.0f} img/s"
             )
 
 
