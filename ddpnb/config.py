@@ -92,9 +92,15 @@ class TrainConfig:
     channels_last: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        hints = typing.get_type_hints(type(self))
+        for name, value in vars(self).items():
+            if not _matches(value, hints[name]):
+                kind = type(value).__name__
+                raise ConfigError(
+                    f"{name} must be {_describe(hints[name])}, got {value!r} ({kind})."
+                )
         positive = ["image_size", "epochs", "batch_size", "checkpoint_every", "timeout_seconds"]
-        for name in positive:
+        for name in [*positive, "bucket_cap_mb"]:
             check_int(name, getattr(self, name))
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
             raise ConfigError("max_steps_per_epoch must be >= 1 or None.")
@@ -105,8 +111,6 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
         for name in ["num_workers", "threads", "seed"]:
             check_int(name, getattr(self, name), low=0)
-        if self.bucket_cap_mb < 1:
-            raise ConfigError("bucket_cap_mb must be >= 1.")
         if self.comm_hook == "shm" and self.backend == "nccl":
             raise ConfigError(
                 "comm_hook='shm' averages CPU tensors for gloo; NCCL already uses shared "
@@ -165,17 +169,6 @@ class TrainConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"Cannot read config {path}: {e}") from e
         return cls.from_dict({k: v for k, v in data.items() if k not in RETIRED_KEYS})
-
-
-def _check_types(cfg: TrainConfig) -> None:
-    hints = typing.get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        expected = hints[f.name]
-        if not _matches(value, expected):
-            raise ConfigError(
-                f"{f.name} must be {_describe(expected)}, got {value!r} ({type(value).__name__})."
-            )
 
 
 def _matches(value: Any, tp: Any) -> bool:

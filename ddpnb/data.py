@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .constants import IMAGE_EXTENSIONS, dataset_files, dataset_fingerprint
 from .errors import DatasetError
+from .metrics import read_json
 
 SPLITS = ("train", "val")
 MANIFEST = "manifest.json"
@@ -79,7 +80,7 @@ def prepare_digits(
         raise DatasetError(f"val_fraction must be between 0 and 1, got {val_fraction!r}.")
     root = Path(root)
     params = {"image_size": image_size, "val_fraction": val_fraction, "seed": seed}
-    existing = _read_manifest(root)
+    existing = read_json(root / MANIFEST)
     if existing.get("source") == "digits" and existing.get("params") == params:
         return root  # finished earlier: the manifest is written last
     if root.exists() and any(root.iterdir()) and not overwrite:
@@ -100,9 +101,8 @@ def prepare_digits(
 
     digits = load_digits()
     images = (digits.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
-    index = np.arange(len(images))
     train_idx, val_idx = train_test_split(
-        index, test_size=val_fraction, stratify=digits.target, random_state=seed
+        np.arange(len(images)), test_size=val_fraction, stratify=digits.target, random_state=seed
     )
     root.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename at the end: an interrupted call leaves only a
@@ -125,8 +125,7 @@ def prepare_digits(
         os.replace(tmp, root)
         shutil.rmtree(old, ignore_errors=True)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
     return root
 
 
@@ -194,15 +193,9 @@ def inspect_dataset(
         problems.append(f"train/val class sets differ: {gaps}")
     all_classes = sorted(set().union(*class_sets.values())) if class_sets else []
     fingerprint = dataset_fingerprint(root) if class_sets else None
-    existing = _read_manifest(root)
+    existing = read_json(root / MANIFEST)
     summary = DatasetSummary(
-        root=str(root),
-        classes=all_classes,
-        counts=counts,
-        image_sizes=dict(sizes),
-        problems=problems,
-        fingerprint=fingerprint,
-        source=existing.get("source"),
+        str(root), all_classes, counts, dict(sizes), problems, fingerprint, existing.get("source")
     )
     if write_manifest and fingerprint and os.access(root, os.W_OK):
         if existing.get("fingerprint") != fingerprint or existing.get("problems") != problems:
@@ -222,13 +215,6 @@ def require_valid_dataset(root: str | os.PathLike) -> DatasetSummary:
             "Fix or remove the files named above (ddpnb check DIR re-checks), then run again."
         )
     return summary
-
-
-def _read_manifest(root: Path) -> dict:
-    try:
-        return json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _write_manifest(root: Path, summary: DatasetSummary, source, params) -> None:
@@ -261,7 +247,7 @@ def subset_dataset(
                 f"the {have} images of {source}."
             )
     params = {"subset_of": summary.fingerprint, **wanted}
-    existing = _read_manifest(root)
+    existing = read_json(root / MANIFEST)
     if existing.get("params") == params:
         return root
     if root.exists() and any(root.iterdir()) and "subset_of" not in (existing.get("params") or {}):
@@ -280,10 +266,6 @@ def subset_dataset(
             target = root / path.relative_to(source)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
-    _write_manifest(
-        root,
-        inspect_dataset(root, show=False, write_manifest=False),
-        source=summary.source,
-        params=params,
-    )
+    subset = inspect_dataset(root, show=False, write_manifest=False)
+    _write_manifest(root, subset, summary.source, params)
     return root

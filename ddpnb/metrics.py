@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -41,10 +42,8 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         return []
     out = []
     for line in lines:
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
     return out
 
 

@@ -41,16 +41,14 @@ _state = {"run_dir": None, "last": 0.0, "first_step_time": None, "agent_pid": os
 
 def use_run_dir(path: str | os.PathLike | None) -> None:
     """Write into ``path`` even when not launched by ddpnb (its own worker run by hand)."""
-    _state["run_dir"] = Path(path) if path is not None else None
+    _state["run_dir"] = path
 
 
 def run_dir() -> Path | None:
     """Where global rank 0 writes; None on other ranks and outside ddpnb."""
     if os.environ.get("RANK", "0") != "0":
         return None
-    if _state["run_dir"] is not None:
-        return _state["run_dir"]
-    found = os.environ.get(RUN_DIR_ENV)
+    found = _state["run_dir"] or os.environ.get(RUN_DIR_ENV)
     return Path(found) if found else None
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from .config import TrainConfig
 from .constants import RESUMABLE_KEYS
 from .errors import RunDirError
+from .metrics import read_json, read_jsonl
 from .script import Script
 
 WORKER_NAME = "train_ddp.py"
@@ -38,13 +38,6 @@ def write_worker(config: TrainConfig, run_dir: str | os.PathLike) -> Path:
     return run_dir / WORKER_NAME
 
 
-def existing_run(run_dir: Path, names: Iterable[str] = ()) -> list[str]:
-    """Names of run products (and of the script's files, ``names``) already in run_dir."""
-    if not run_dir.is_dir():
-        return []
-    return [p for p in (*names, *PRODUCTS) if (run_dir / p).exists()]
-
-
 def prepare_run_dir(
     run_dir: str | os.PathLike,
     payload: Mapping[str, bytes],
@@ -57,7 +50,7 @@ def prepare_run_dir(
     run_dir = Path(run_dir)
     if resume and overwrite:
         raise RunDirError("Pass either resume=True or overwrite=True, not both.")
-    found = existing_run(run_dir, payload)
+    found = [p for p in (*payload, *PRODUCTS) if (run_dir / p).exists()]  # the script's too
     if "logs" not in found and "metrics.jsonl" not in found and config is None:
         found = [n for n in found if n not in payload]  # the user's own files, not a run
         clash = [
@@ -72,7 +65,7 @@ def prepare_run_dir(
                 "them with the script's. Nothing was changed. Choose another run_dir, or move them."
             )
     if found and not (resume or overwrite):
-        done = _epochs_done(run_dir)
+        done = len(read_jsonl(run_dir / "metrics.jsonl"))
         raise RunDirError(
             f"{run_dir} already holds a run ({done} epoch(s) recorded; found {', '.join(found)}). "
             "Nothing was changed. Pass resume=True (CLI: --resume) to continue it from its "
@@ -98,13 +91,9 @@ def prepare_run_dir(
 
 
 def _check_same_config(run_dir: Path, config: TrainConfig) -> None:
-    try:
-        old = json.loads((run_dir / "config.json").read_text())
-    except ValueError:
-        old = {}
     new = config.to_dict()
     # A run written before a field existed ran with that field's default.
-    before = {**TrainConfig().to_dict(), **old}
+    before = {**TrainConfig().to_dict(), **read_json(run_dir / "config.json")}
     changed = sorted(k for k in new if k not in RESUMABLE_KEYS and before.get(k) != new[k])
     if changed:
         raise RunDirError(
@@ -112,12 +101,3 @@ def _check_same_config(run_dir: Path, config: TrainConfig) -> None:
             "Resume with the same settings (only epochs, timeouts and comm settings may "
             "change), or pass overwrite=True to replace that run, or choose another run_dir."
         )
-
-
-def _epochs_done(run_dir: Path) -> int:
-    try:
-        return sum(
-            1 for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
-        )
-    except OSError:
-        return 0

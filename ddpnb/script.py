@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -79,8 +80,7 @@ class Script:
                 f"{self.path}: a folder; the script is a file (e.g. {self.path}/train.py)."
             )
         sources = self._sources()
-        names = [n for n, _, _ in sources]
-        names += [*self.generated, REPORTING_NAME, MESHCHECK_NAME]
+        names = [n for n, _, _ in sources] + [*self.generated, REPORTING_NAME, MESHCHECK_NAME]
         twice = sorted({n for n in names if names.count(n) > 1})
         twice += sorted({n for n in names if n.split("/")[0] == HOOKS_DIR})
         if twice:
@@ -104,14 +104,12 @@ class Script:
 
     def _sources(self) -> list[tuple[str, Path, str]]:
         """(place in the run directory, file here, path given) of every file copied, once."""
-        out, seen = [], set()
+        out = {}  # (place, real file) -> the first (place, file, path given)
         given = [(self.name, self.path), *((_place(f), f) for f in self.files)]
         for place, path in given:
             for name, file in _walk(place, Path(path)):
-                if (name, os.path.realpath(file)) not in seen:
-                    seen.add((name, os.path.realpath(file)))
-                    out.append((name, file, str(path)))
-        return out
+                out.setdefault((name, os.path.realpath(file)), (name, file, str(path)))
+        return list(out.values())
 
     def command(self, run_dir: str | os.PathLike) -> list[str]:
         """The script and its arguments as torchrun runs them, with ``run_dir`` its folder."""
@@ -167,14 +165,13 @@ def _walk(place: str, path: Path) -> list[tuple[str, Path]]:
 
 
 def _check_size(sources: list[tuple[str, Path, str]], max_mb: float) -> None:
-    sizes: dict[str, int] = {}
+    sizes = Counter()  # bytes by path given
     for _, file, given in sources:
-        sizes[given] = sizes.get(given, 0) + file.stat().st_size
+        sizes[given] += file.stat().st_size
     total = sum(sizes.values())
     if total <= max_mb * 1e6:
         return
-    largest = sorted(sizes.items(), key=lambda item: -item[1])[:3]
-    items = ", ".join(f"{given} ({_size(size)})" for given, size in largest)
+    items = ", ".join(f"{given} ({_size(size)})" for given, size in sizes.most_common(3))
     need = int(total / 1e6) + 1
     raise ConfigError(
         f"The script and its files are {_size(total)}, more than max_copy_mb={max_mb:g} "

@@ -146,19 +146,16 @@ def join_process_group(backend: str, timeout_seconds: int, me: Rank, device: tor
     """Join the run's default process group (``dist.init_process_group``)."""
     # A collective that waits longer than this fails the run instead of hanging it.
     timeout = datetime.timedelta(seconds=timeout_seconds)
-    # nccl binds the group to this rank's GPU (barrier() need not guess it).
-    bound = {"device_id": device} if backend == "nccl" else {}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout, **bound)  # MASTER_ADDR etc. from torchrun
-        return
-    store = attempt_store(me.restart_count, timeout)  # Part 2: clean keys for each attempt
+    store = None  # None: the rendezvous at MASTER_ADDR:MASTER_PORT, from torchrun
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = attempt_store(me.restart_count, timeout)  # Part 2: clean keys for each attempt
     dist.init_process_group(
         backend,
         store=store,
         rank=me.global_rank,
         world_size=me.world_size,
         timeout=timeout,
-        **bound,
+        device_id=device if backend == "nccl" else None,  # nccl: bound to this rank's GPU
     )
 
 
@@ -344,12 +341,6 @@ class Data:
     augment: str  # what augment="auto" became,
     augment_reason: str  # and why
 
-    @property
-    def images(self) -> str:
-        """Which way the images are read: make_data's faster path or the classic one."""
-        decoded = isinstance(self.train_loader.dataset, DecodedImages)
-        return "decoded in memory" if decoded else "decoded per load"
-
 
 # -- the process: device, threads, the rendezvous store, the same dataset everywhere -----
 
@@ -473,12 +464,14 @@ class Records:
         cfg, me, data = self.cfg, self.me, self.data
         device = next(self.model.parameters()).device
         backend = ("nccl" if device.type == "cuda" else "gloo") if me.distributed else "none"
+        decoded = isinstance(data.train_loader.dataset, DecodedImages)  # make_data's faster path
+        images = "decoded in memory" if decoded else "decoded per load"
         effective = {
             **cfg,
             "augment": data.augment,
             "augment_requested": cfg["augment"],
             "augment_reason": data.augment_reason,
-            "images": data.images,
+            "images": images,
             "backend": backend,
             "device": str(device),
             "world_size": me.world_size,
@@ -495,7 +488,7 @@ class Records:
         atomic_write(self.run_dir / "effective_config.json", lambda f: f.write(text.encode()))
         me.log(
             f"{cfg['model']} ({weights_note}), {data.num_classes} classes, augment "
-            f"{data.augment}, images {data.images}, {data.steps_per_epoch} steps/epoch, global batch "
+            f"{data.augment}, images {images}, {data.steps_per_epoch} steps/epoch, global batch "
             f"{cfg['batch_size'] * me.world_size}"
         )
 
@@ -527,23 +520,26 @@ class Records:
             # The stream augmentation draws from: per rank.
             "rng_checksum": short_hash(torch.get_rng_state().numpy().tobytes()),
         }
-        append_jsonl(self.rank_path, row)
+        with open(self.rank_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         self.busy = self.comm = 0.0
         now = time.perf_counter()
         epoch_seconds, self.epoch_start = now - self.epoch_start, now
         if me.master_process:
+            speed = metrics["train_samples"] / train_seconds  # the run's images/s
             report.epoch(
                 epoch,
                 **metrics,
                 epoch_seconds=epoch_seconds,
-                images_per_second=metrics["train_samples"] / train_seconds,
+                images_per_second=speed,
                 restart_count=me.restart_count,
                 lr=scheduler.get_last_lr()[0],
             )
             me.log(
                 f"epoch {epoch}/{self.cfg['epochs']} train_loss {metrics['train_loss']:.4f} "
-                f"val_acc {metrics['val_acc']:.4f} "
-                f"{metrics['train_samples'] / train_seconds:.0f} img/s"
+                f"val_acc {metrics['val_acc']:.4f} {speed:.0f} img/s"
             )
 
 
@@ -662,13 +658,12 @@ class SharedMemoryAllReduce:
         inbox = shared[: w * n].view(w, n)  # inbox[s]: rank s's copy of the others' slices
         summed = shared[w * n :]  # slice o holds the average that rank o computed
         edges = [n * i // w for i in range(w + 1)]
-        own = slice(edges[r], edges[r + 1])
-        for o in range(w):  # divided on the way: a/w + b/w, the terms gloo adds
-            if o != r:
-                torch.div(buf[edges[o] : edges[o + 1]], w, out=inbox[r, edges[o] : edges[o + 1]])
+        part = [slice(edges[o], edges[o + 1]) for o in range(w)]  # rank o owns part[o]
+        own, others = part[r], [o for o in range(w) if o != r]
+        for o in others:  # divided on the way: a/w + b/w, the terms gloo adds
+            torch.div(buf[part[o]], w, out=inbox[r, part[o]])
         self.agree(True)  # every copy is in place
         mine = buf[own]
-        others = [o for o in range(w) if o != r]
         # One pass for the first term: inbox + mine / w (exact scaling for w = 2, 4, ...).
         torch.add(inbox[others[0], own], mine, alpha=1.0 / w, out=mine)
         for o in others[1:]:
@@ -677,20 +672,16 @@ class SharedMemoryAllReduce:
         # After this barrier nobody reads the inbox any more, and the next bucket's
         # inbox writes cannot overtake a reader of ``summed`` (they wait at the first).
         self.agree(True)
-        for o in range(w):
-            if o != r:
-                buf[edges[o] : edges[o + 1]].copy_(summed[edges[o] : edges[o + 1]])
+        for o in others:
+            buf[part[o]].copy_(summed[part[o]])
         return buf
 
 
 def timed_comm_hook(compression: str, shared: SharedMemoryAllReduce | None = None):
     """A DDP comm hook that all-reduces each gradient bucket (``compression``: none, bf16,
-    fp16; or through ``shared`` memory) and notes the time it takes.
-
-    In the state dict, ``blocked`` sums the seconds inside the hook (the shared-memory path
-    works there) and ``returned`` is when the last bucket was handed over; backward's wait
-    after that, for asynchronous all-reduces, is exposed communication too.
-    """
+    fp16; or through ``shared`` memory), timed into its state: ``blocked`` sums the seconds
+    inside the hook, ``returned`` is when the last bucket was handed over (backward's wait
+    after that, for asynchronous all-reduces, is exposed communication too)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     name = "allreduce_hook" if compression == "none" else f"{compression}_compress_hook"
@@ -913,22 +904,8 @@ def read_state_dict(path: str) -> dict:
     return state
 
 
-def load_local_weights(model: nn.Module, path: str) -> list[str]:
-    """Load a state-dict file, skipping head tensors whose shapes no longer fit."""
-    state = read_state_dict(path)
-    own = model.state_dict()
-    skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
-    state = {k: v for k, v in state.items() if k not in skipped}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in skipped]
-    if missing or unexpected:
-        raise ValueError(
-            f"weights={path!r} does not fit model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    return skipped
-
-
 def build_model(cfg: dict, num_classes: int) -> tuple[nn.Module, str]:
+    """The torchvision model with a new head, and where its weights came from."""
     weights = cfg["weights"]
     local = weights not in (None, "DEFAULT")
     if local and not Path(weights).is_file():
@@ -945,8 +922,17 @@ def build_model(cfg: dict, num_classes: int) -> tuple[nn.Module, str]:
         ) from e
     note = "torchvision DEFAULT weights" if weights == "DEFAULT" else "random init"
     replace_head(model, num_classes)
-    if local:
-        skipped = load_local_weights(model, weights)
+    if local:  # a state-dict file: head tensors whose shapes no longer fit are skipped
+        state, own = read_state_dict(weights), model.state_dict()
+        skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+        state = {k: v for k, v in state.items() if k not in skipped}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k not in skipped]
+        if missing or unexpected:
+            raise ValueError(
+                f"weights={weights!r} does not fit model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
         note = f"weights from {weights}" + (f" (head re-initialised: {skipped})" if skipped else "")
     if cfg["channels_last"]:  # NHWC: faster convolutions on recent GPUs (slower on CPU here)
         model = model.to(memory_format=torch.channels_last)
@@ -956,11 +942,9 @@ def build_model(cfg: dict, num_classes: int) -> tuple[nn.Module, str]:
 def make_optimizer(model: nn.Module, cfg: dict, steps_per_epoch: int):
     """SGD with momentum, and its learning-rate schedule (stepped after every step)."""
     optimizer = make_sgd(model.parameters(), cfg)
-    total_steps = cfg["epochs"] * steps_per_epoch
-    if cfg["lr_schedule"] == "cosine":
-        schedule = lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
-    else:
-        schedule = lambda step: 1.0
+    total = cfg["epochs"] * steps_per_epoch
+    cosine = lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+    schedule = cosine if cfg["lr_schedule"] == "cosine" else lambda step: 1.0
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
@@ -992,23 +976,9 @@ def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
         ckpt = box[0]
     if ckpt is None:
         return 1
-    check_checkpoint_fits(ckpt, path, cfg, fingerprint)  # same config, same dataset
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    scheduler.load_state_dict(ckpt["scheduler"])
-    # Each rank continues its own random streams (the loader's transforms draw from
-    # them); with another world size the per-epoch seeds still hold.
-    if isinstance(ckpt["rng"], list) and len(ckpt["rng"]) == me.world_size:
-        set_rng_state(ckpt["rng"][me.global_rank], next(model.parameters()).is_cuda)
-    sent = "" if me.master_process else " (node 0's, sent by rank 0)"
-    me.log(f"resumed from {path}{sent} after epoch {ckpt['epoch']}")
-    return ckpt["epoch"] + 1
-
-
-def check_checkpoint_fits(ckpt: dict, path: Path, cfg: dict, fingerprint: str) -> None:
-    """Refuse a checkpoint written with another config, or trained on another dataset."""
-    # A field the checkpoint predates (written by an older ddpnb) is not compared
-    # here; the launcher has compared it with that field's default.
+    # Refuse a checkpoint written with another config, or trained on another dataset. A field
+    # the checkpoint predates (an older ddpnb) is not compared: the launcher compared it with
+    # that field's default.
     kept = ckpt["config"]
     changed = sorted(
         k for k in cfg if k not in constants.RESUMABLE_KEYS and k in kept and kept[k] != cfg[k]
@@ -1025,6 +995,16 @@ def check_checkpoint_fits(ckpt: dict, path: Path, cfg: dict, fingerprint: str) -
             f"{ckpt['fingerprint'][:12]}, now {fingerprint[:12]}). Resume on the original "
             "data, or start a new run."
         )
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    # Each rank continues its own random streams (the loader's transforms draw from
+    # them); with another world size the per-epoch seeds still hold.
+    if isinstance(ckpt["rng"], list) and len(ckpt["rng"]) == me.world_size:
+        set_rng_state(ckpt["rng"][me.global_rank], next(model.parameters()).is_cuda)
+    sent = "" if me.master_process else " (node 0's, sent by rank 0)"
+    me.log(f"resumed from {path}{sent} after epoch {ckpt['epoch']}")
+    return ckpt["epoch"] + 1
 
 
 def write_checkpoint(ckpt: dict, path: Path, epoch: int) -> None:
@@ -1062,7 +1042,7 @@ def set_rng_state(state: dict, use_cuda: bool) -> None:
         torch.cuda.set_rng_state(states[torch.cuda.current_device() if len(states) > 1 else 0])
 
 
-# -- files: written whole or appended and synced, hashes ---------------------------------
+# -- files written whole, hashes ---------------------------------------------------------
 
 
 def atomic_write(path: Path, write) -> None:
@@ -1077,13 +1057,6 @@ def atomic_write(path: Path, write) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def append_jsonl(path: Path, record_: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record_) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def keep_epochs_upto(path: Path, last_epoch: int) -> None:
