@@ -92,14 +92,10 @@ class RankState:
         """The innermost frame of the user's code."""
         return next((f for f in reversed(self.frames) if f.mine), None)
 
-    @property
-    def inside(self) -> list[Frame]:
-        """The frames below the innermost user frame (torch's, Python's), outermost first."""
-        mine = self.mine
-        return list(self.frames[self.frames.index(mine) + 1 :] if mine else self.frames)
-
     def _paths(self) -> list[tuple[str, str]]:
-        return [(f.file.replace(os.sep, "/"), f.function) for f in self.inside]
+        """(path, function) of the frames below the user's innermost (torch's, Python's)."""
+        inside = self.frames[self.frames.index(self.mine) + 1 :] if self.mine else self.frames
+        return [(f.file.replace(os.sep, "/"), f.function) for f in inside]
 
     @property
     def waits_in(self) -> str | None:
@@ -303,15 +299,12 @@ class Stacks:
         row = lambda tag, cells: (
             "<tr>" + "".join(f"<{tag} style='text-align:left'>{c}</{tag}>" for c in cells) + "</tr>"
         )
+        pre = lambda r: f"<pre style='margin:0'>{e(chr(10).join(_stack_lines(r)))}</pre>"
         rows = [row("th", ("rank", "node", "where", "stack"))] + [
-            row("td", (r.rank, f"{r.node} ({e(r.host)})", e(r.line()), _pre(r))) for r in self.ranks
+            row("td", (r.rank, f"{r.node} ({e(r.host)})", e(r.line()), pre(r))) for r in self.ranks
         ]
         message = f"<p><b>{e(v.title.capitalize())}</b>: {e(v.message)}</p>" if v.message else ""
         return f"<div class='ddpnb-stacks'>{message}<table>{''.join(rows)}</table></div>"
-
-
-def _pre(r: RankState) -> str:
-    return f"<pre style='margin:0'>{html.escape(chr(10).join(_stack_lines(r)))}</pre>"
 
 
 def _stack_lines(r: RankState) -> list[str]:
