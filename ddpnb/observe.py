@@ -598,11 +598,9 @@ def _hook_devices(obs: _Observer, torch) -> None:
     @_patch(torch.nn.Module, "to")
     def to(original, self, *args, **kwargs):
         try:
-            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            note("Module.to", torch._C._nn._parse_to(*args, **kwargs)[0])
         except Exception:  # the original call reports bad arguments itself
-            device = None
-        if device is not None:
-            note("Module.to", device)
+            pass
         return original(self, *args, **kwargs)
 
 

@@ -23,8 +23,6 @@ STATUS_COLORS = {
     "running": "#268bd2",
     "done": "#2aa160",
     "failed": "#dc322f",
-    "stopped": "#888888",
-    "external": "#888888",
     "hung": "#d33682",  # every rank waits in a collective and none moves
 }
 # The hang watch's verdicts as the panel shows them: (label, border colour).
@@ -184,12 +182,11 @@ class WidgetProgress:
         self.last_plot = self.busy_said = 0.0
         self.title = w.HTML(f"<b>{_start_line(job)}</b>")
         self.node_rows = [_named(w.HTML(), "node") for _ in range(job.nnodes)]
-        bar = lambda name, top: _named(
-            w.IntProgress(
-                max=top, description=name, bar_style="info", layout=w.Layout(width="60%")
-            ),
-            f"{name}-bar",
-        )
+
+        def bar(name: str, top: int):
+            kw = dict(description=name, bar_style="info", layout=w.Layout(width="60%"))
+            return _named(w.IntProgress(max=top, **kw), f"{name}-bar")
+
         self.epoch_bar, self.step_bar = bar("epoch", job.epochs or 1), bar("step", 1)
         self.status = _named(w.HTML(), "status")
         self.waiting = _named(w.HTML(), "hang")  # the hang watch: a hang or a slow phase, named
@@ -206,7 +203,7 @@ class WidgetProgress:
     def _set_nodes(self) -> None:
         steps = self.job.node_steps()  # optimizer steps, from the hang watch
         for n, state in self.job.node_status().items():
-            color = STATUS_COLORS.get(state.split(" ")[0], "#888")
+            color = STATUS_COLORS.get(state.split(" ")[0], "#888")  # grey: stopped, external
             per, first = self.job.nproc_per_node, n * self.job.nproc_per_node
             ranks = f"rank {first}" if per == 1 else f"ranks {first}-{first + per - 1}"
             role = f" on {escape(self.job.hosts[n])}" if self.job.hosts else ""  # SSH's hosts
