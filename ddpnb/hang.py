@@ -50,13 +50,11 @@ WORK = (
 
 
 def _match(paths: list[tuple[str, str]], table: tuple) -> str | None:
-    hits = (
-        name
-        for part, fns, name in table
-        for p, fn in paths
-        if part in p and (fns is None or fn in fns)
-    )
-    return next(hits, None)
+    """The name in the first row of ``table`` that a (path, function) of ``paths`` matches."""
+    for part, fns, name in table:
+        if any(part in p and (fns is None or fn in fns) for p, fn in paths):
+            return name
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +90,10 @@ class RankState:
         """The innermost frame of the user's code."""
         return next((f for f in reversed(self.frames) if f.mine), None)
 
-    @property
-    def inside(self) -> list[Frame]:
-        """The frames below the innermost user frame (torch's, Python's), outermost first."""
-        mine = self.mine
-        return list(self.frames[self.frames.index(mine) + 1 :] if mine else self.frames)
-
     def _paths(self) -> list[tuple[str, str]]:
-        return [(f.file.replace(os.sep, "/"), f.function) for f in self.inside]
+        """(path, function) of the frames below the user's innermost (torch's, Python's)."""
+        inside = self.frames[self.frames.index(self.mine) + 1 :] if self.mine else self.frames
+        return [(f.file.replace(os.sep, "/"), f.function) for f in inside]
 
     @property
     def waits_in(self) -> str | None:
@@ -196,13 +190,11 @@ def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
     others = [r for r in ranks if r.state != "ended" and not r.waits_in]
     ended = [r for r in ranks if r.state == "ended"]
     spawn = [r for r in waiting if r.waits_in == SPAWN]
-    kind, cause = ("slow" if waiting else "quiet"), ""
-    if waiting and not others:
-        apart = len({(r.waits_in, r.where()) for r in waiting}) > 1
-        kind, cause = (
-            "hang",
-            "spawn" if spawn else "ended" if ended else "different" if apart else "same",
-        )
+    kind = "hang" if waiting and not others else "slow" if waiting else "quiet"
+    apart = len({(r.waits_in, r.where()) for r in waiting}) > 1
+    cause = ""
+    if kind == "hang":
+        cause = "spawn" if spawn else "ended" if ended else "different" if apart else "same"
     why = WHY[cause or kind].format(
         busy=_ranks(others),
         them="it" if len(others) == 1 else "they",
@@ -212,10 +204,8 @@ def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
         waiting=_ranks(waiting),
         wait="waits" if len(waiting) == 1 else "wait",
     )
-    lines = "; ".join(r.line() for r in ranks)
-    message = (
-        f"No rank has made progress for {quiet_for:.0f} s: {lines}{': ' if cause else '. '}{why}"
-    )
+    lines = "; ".join(r.line() for r in ranks) + (": " if cause else ". ")
+    message = f"No rank has made progress for {quiet_for:.0f} s: {lines}{why}"
     return Verdict(kind, message, quiet_for, cause)
 
 
@@ -250,10 +240,8 @@ def read_ranks(
     # A file being replaced reads as {}: the next read has it.
     records = [read_json(p) for p in sorted((Path(run_dir) / WATCH_DIR).glob("rank-*.json"))]
     records = [r for r in records if r and r.get("time", 0) >= since - CLOCK_SKEW]
-    if not records:
-        return []
-    world = max(r.get("world_size", 1) for r in records)
-    restart = max(r.get("restart", 0) for r in records)
+    world = max((r.get("world_size", 1) for r in records), default=1)
+    restart = max((r.get("restart", 0) for r in records), default=0)
     out = []
     for r in sorted(records, key=lambda r: r["rank"]):
         if r["rank"] >= world or r.get("restart", 0) != restart:
@@ -262,15 +250,10 @@ def read_ranks(
         state = r["state"]
         if state == "running" and age > max(STALE_SECONDS, 4 * r.get("interval", 2)):
             state = "silent"
-        out.append(
-            RankState(
-                **{k: r[k] for k in ("rank", "node", "host", "pid", "steps", "process_group")},
-                state=state,
-                still=r["still"] + (age if state == "running" else 0.0),
-                frames=tuple(Frame(*f) for f in r.get("stack", [])),
-                age=age,
-            )
-        )
+        fields = {k: r[k] for k in ("rank", "node", "host", "pid", "steps", "process_group")}
+        still = r["still"] + (age if state == "running" else 0.0)
+        frames = tuple(Frame(*f) for f in r.get("stack", []))
+        out.append(RankState(**fields, state=state, still=still, frames=frames, age=age))
     return out
 
 
@@ -303,15 +286,12 @@ class Stacks:
         row = lambda tag, cells: (
             "<tr>" + "".join(f"<{tag} style='text-align:left'>{c}</{tag}>" for c in cells) + "</tr>"
         )
+        pre = lambda r: f"<pre style='margin:0'>{e(chr(10).join(_stack_lines(r)))}</pre>"
         rows = [row("th", ("rank", "node", "where", "stack"))] + [
-            row("td", (r.rank, f"{r.node} ({e(r.host)})", e(r.line()), _pre(r))) for r in self.ranks
+            row("td", (r.rank, f"{r.node} ({e(r.host)})", e(r.line()), pre(r))) for r in self.ranks
         ]
         message = f"<p><b>{e(v.title.capitalize())}</b>: {e(v.message)}</p>" if v.message else ""
         return f"<div class='ddpnb-stacks'>{message}<table>{''.join(rows)}</table></div>"
-
-
-def _pre(r: RankState) -> str:
-    return f"<pre style='margin:0'>{html.escape(chr(10).join(_stack_lines(r)))}</pre>"
 
 
 def _stack_lines(r: RankState) -> list[str]:

@@ -23,6 +23,11 @@ import threading
 import time
 import traceback
 
+try:  # in a worker, ddpnb's hooks are top-level modules side by side (RUN_DIR/.ddpnb/)
+    from ddpnb_watch import main_stack, user_file
+except ImportError:  # imported from the package (ddpnb.scriptcheck reads the names below)
+    from .watch import main_stack, user_file
+
 DIR_ENV = "DDPNB_OBSERVE"  # the folder for the records; unset: nothing is observed
 STEPS_ENV = "DDPNB_OBSERVE_STEPS"  # optimizer steps into the second epoch before stopping
 SECONDS_ENV = "DDPNB_OBSERVE_SECONDS"  # seconds of training (from the first step) at most
@@ -46,31 +51,30 @@ DDP_INIT = "DDP's parameter broadcast (wrapping the model)"
 DDP_BUFFERS = "DDP's buffer broadcast (forward)"
 DDP_GRADIENTS = "DDP's gradient all-reduce (backward)"
 
-_state = None  # the _Observer of this process, once activated
+active = None  # the _Observer of this process, once the sitecustomize activated it
 
 
-def activate() -> None:
-    """Start observing this process, if it is a worker of a checked run (else do nothing)."""
-    global _state
-    folder = os.environ.get(DIR_ENV)
-    if not folder or "RANK" not in os.environ or _state is not None:
-        return
-    owner = os.environ.get(OWNER_ENV)
-    if owner and owner != str(os.getpid()):
-        return  # a process the worker started (a DataLoader worker, a subprocess)
-    os.environ[OWNER_ENV] = str(os.getpid())
-    _state = _Observer(folder)
-    threading.Thread(target=_state.watch, name="ddpnb-observe", daemon=True).start()
-    atexit.register(_state.finish, "exit")
-    _state.previous_excepthook = sys.excepthook
-    sys.excepthook = _state.excepthook
+def activate(folder: str) -> None:
+    """Observe this worker (the sitecustomize checked that it is one)."""
+    global active
+    active = _Observer(folder)
+    threading.Thread(target=active.watch, name="ddpnb-observe", daemon=True).start()
+    atexit.register(active.finish, "exit")
+    sys.excepthook = active.excepthook
     _patch_environ()
 
 
 def install(torch) -> None:
     """Hook torch once the script imported it (the sitecustomize calls this in the main thread)."""
-    if _state is not None:
-        _state.install(torch)
+    if active is None:
+        return
+    active.torch = torch
+    hooks = (_hook_init, _hook_ddp, _hook_loader, _hook_sampler, _hook_steps, _hook_save)
+    for hook in (*hooks, _hook_collectives, _hook_spawn, _hook_devices):
+        try:
+            hook(active, torch)
+        except Exception as e:  # an older or newer torch: observe what can be observed
+            active.write({"kind": "observe_error", "hook": hook.__name__, "error": repr(e)})
 
 
 class _Pass:
@@ -128,9 +132,6 @@ class _Observer:
         self.t0 = time.monotonic()
         self.lock = threading.RLock()
         self.file = open(self.path(f"rank-{self.rank}.jsonl"), "a", buffering=1)
-        # The user's files: the run directory's (the working directory at start).
-        self.user_dir = os.path.realpath(os.getcwd()) + os.sep
-        self.user_files: dict[str, str | None] = {}
         self.ids: dict[str, int] = {}
         self.open_passes: dict[str, _Pass] = {}
         self.current: _Pass | None = None  # the pass whose batches the next step trains on
@@ -164,19 +165,10 @@ class _Observer:
     def where(self) -> dict | None:
         """The innermost frame of the user's code (the run directory's files)."""
         for frame, line in traceback.walk_stack(sys._getframe(1)):
-            name = self._user_file(frame.f_code.co_filename)
+            name = user_file(frame.f_code.co_filename)
             if name is not None:
                 return {"file": name, "line": line, "func": frame.f_code.co_name}
         return None
-
-    def _user_file(self, filename: str) -> str | None:
-        if filename not in self.user_files:
-            path = os.path.realpath(filename)
-            ours = path.startswith(self.user_dir + ".ddpnb" + os.sep)  # ddpnb's hooks
-            ours = ours or path.endswith("ddpnb_reporting.py")
-            mine = path.startswith(self.user_dir) and not ours and not filename.startswith("<")
-            self.user_files[filename] = path[len(self.user_dir) :] if mine else None
-        return self.user_files[filename]
 
     def made(self, kind: str, obj, names: str, **fields) -> None:
         """The record of a DataLoader or DistributedSampler: its id, line, attributes ``names``."""
@@ -192,8 +184,8 @@ class _Observer:
     def open_pass(self, source: str, obj_id: str) -> _Pass:
         with self.lock:
             previous = self.open_passes.pop(obj_id, None)
-            if previous is not None and not previous.written:
-                self.write(previous.record())
+            if previous is not None:
+                self.pass_ended(previous)
             training = bool(self.ddp_modules[-1].training) if self.ddp_modules else None
             p = _Pass(source, obj_id, self.torch.is_grad_enabled(), training)
             self.open_passes[obj_id] = self.current = p
@@ -293,9 +285,7 @@ class _Observer:
             if self.finished or os.getpid() != self.pid:
                 return
             for p in self.open_passes.values():
-                if not p.written:
-                    self.write(p.record())
-            self.open_passes.clear()
+                self.pass_ended(p)
             full = len(self.sequence) >= MAX_SEQUENCE
             self.write({"kind": "collectives", "calls": self.sequence, "truncated": full})
             self.write({"kind": "end", "reason": reason, "steps": self.steps})
@@ -313,17 +303,8 @@ class _Observer:
                 self.request_stop(None, f"time bound of {self.timeout:g} s")
                 self.stop_seen = now
             if self.stop_seen is not None and now - self.stop_seen > GRACE_SECONDS:
-                self.write({"kind": "blocked", "stack": self.main_stack(), "steps": self.steps})
+                self.write({"kind": "blocked", "stack": main_stack(), "steps": self.steps})
                 self.end("ended by the check's watchdog (another rank had stopped)")
-
-    def main_stack(self) -> list[list]:
-        """The main thread's frames, outermost first: [file, line, function, source, mine]."""
-        frame = sys._current_frames().get(threading.main_thread().ident)
-        out = []
-        for f in traceback.extract_stack(frame) if frame is not None else ():
-            name = self._user_file(f.filename)
-            out.append([name or f.filename, f.lineno, f.name, (f.line or "")[:120], bool(name)])
-        return out
 
     def excepthook(self, kind, value, tb) -> None:
         if os.path.exists(self.path(STOP_FILE)):
@@ -343,15 +324,6 @@ class _Observer:
             return "sum:" + repr([float(p.detach().double().sum()) for p in params])
         return digest.hexdigest()[:16]
 
-    def install(self, torch) -> None:
-        self.torch = torch
-        hooks = (_hook_init, _hook_ddp, _hook_loader, _hook_sampler, _hook_steps, _hook_save)
-        for hook in (*hooks, _hook_collectives, _hook_spawn, _hook_devices):
-            try:
-                hook(self, torch)
-            except Exception as e:  # an older or newer torch: observe what can be observed
-                self.write({"kind": "observe_error", "hook": hook.__name__, "error": repr(e)})
-
 
 def _patch(owner, name: str):
     """Decorator: ``owner.name(...)`` becomes ``hook(original, ...)`` (once per process)."""
@@ -359,11 +331,7 @@ def _patch(owner, name: str):
     def decorate(hook):
         original = getattr(owner, name)
         if not getattr(original, "_ddpnb", False):
-
-            @functools.wraps(original)
-            def wrapper(*args, **kwargs):
-                return hook(original, *args, **kwargs)
-
+            wrapper = functools.wraps(original)(lambda *a, **kw: hook(original, *a, **kw))
             wrapper._ddpnb = True
             setattr(owner, name, wrapper)
         return hook
@@ -371,9 +339,9 @@ def _patch(owner, name: str):
     return decorate
 
 
-def _dataset_len(dataset) -> int | None:
+def _len(obj) -> int | None:
     try:
-        return len(dataset)
+        return len(obj)
     except Exception:
         return None
 
@@ -386,7 +354,7 @@ def _subsets(dataset, subset_type) -> tuple[list, list[dict]]:
         layers.append({"len": len(dataset.indices), "id": digest})
         chosen.append(dataset.indices)
         dataset = dataset.dataset
-    return chosen, [*layers, {"len": _dataset_len(dataset), "id": type(dataset).__name__}]
+    return chosen, [*layers, {"len": _len(dataset), "id": type(dataset).__name__}]
 
 
 def _hook_init(obs: _Observer, torch) -> None:
@@ -400,24 +368,12 @@ def _hook_init(obs: _Observer, torch) -> None:
             bound = signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
             bound = {}
-        rank, world = (bound.get(k) for k in ("rank", "world_size"))
-        rank, world = (None if v == -1 else v for v in (rank, world))
+        given = {k: bound.get(k) for k in ("rank", "world_size") if bound.get(k) not in (None, -1)}
         env = {k: os.environ.get(k) for k in ENV_KEYS}
-        obs.write(
-            {
-                "kind": "init",
-                "where": obs.where(),
-                "backend": str(bound.get("backend")),
-                "init_method": bound.get("init_method"),
-                "store": bound.get("store") is not None,
-                "rank": rank,
-                "world_size": world,
-                "env": env,
-            }
-        )
-        if (rank is not None and str(rank) != env["RANK"]) or (
-            world is not None and str(world) != env["WORLD_SIZE"]
-        ):
+        fields = {"backend": str(bound.get("backend")), "init_method": bound.get("init_method")}
+        fields.update(store=bound.get("store") is not None, rank=None, world_size=None, env=env)
+        obs.write({"kind": "init", "where": obs.where(), **fields, **given})
+        if any(str(v) != env[k.upper()] for k, v in given.items()):
             # Ranks that disagree with torchrun's never meet: stop instead of hanging.
             obs.request_stop(None, "rank or world_size differs from torchrun's")
             obs.end("stopped at init_process_group: rank or world_size is not torchrun's")
@@ -474,7 +430,7 @@ def _hook_loader(obs: _Observer, torch) -> None:
             "batch_size drop_last",
             sampler=type(sampler).__name__,
             sampler_id=getattr(sampler, "__dict__", {}).get("_ddpnb_id"),
-            dataset_len=_dataset_len(self.dataset),
+            dataset_len=_len(self.dataset),
             iterable=isinstance(self.dataset, torch.utils.data.IterableDataset),
             layers=layers,
         )
@@ -484,10 +440,7 @@ def _hook_loader(obs: _Observer, torch) -> None:
         obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "L")
         p = obs.open_pass("loader", obj_id)
         p.subsets = self.__dict__.get("_ddpnb_subsets", [])
-        try:
-            p.expected = len(self)
-        except TypeError:
-            pass
+        p.expected = _len(self)
         obs.fetching = p  # a multi-process iterator draws its first indices in here
         try:
             it = original(self)
@@ -533,7 +486,7 @@ def _hook_sampler(obs: _Observer, torch) -> None:
     def __init__(original, self, dataset, *args, **kwargs):
         original(self, dataset, *args, **kwargs)
         names = "num_replicas rank shuffle drop_last"
-        obs.made("sampler", self, names, dataset_len=_dataset_len(dataset))
+        obs.made("sampler", self, names, dataset_len=_len(dataset))
 
     @_patch(DistributedSampler, "__iter__")
     def __iter__(original, self):
@@ -645,11 +598,9 @@ def _hook_devices(obs: _Observer, torch) -> None:
     @_patch(torch.nn.Module, "to")
     def to(original, self, *args, **kwargs):
         try:
-            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            note("Module.to", torch._C._nn._parse_to(*args, **kwargs)[0])
         except Exception:  # the original call reports bad arguments itself
-            device = None
-        if device is not None:
-            note("Module.to", device)
+            pass
         return original(self, *args, **kwargs)
 
 
@@ -659,7 +610,7 @@ def _patch_environ() -> None:
     @_patch(type(os.environ), "__setitem__")
     def __setitem__(original, self, key, value):
         original(self, key, value)
-        if self is os.environ and key in ENV_KEYS and _state is not None:
-            where = _state.where()
+        if self is os.environ and key in ENV_KEYS and active is not None:
+            where = active.where()
             if where is not None:
-                _state.write({"kind": "setenv", "key": key, "value": value, "where": where})
+                active.write({"kind": "setenv", "key": key, "value": value, "where": where})

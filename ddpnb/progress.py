@@ -3,40 +3,17 @@
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import sys
 import time
 from html import escape
-from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
-from .metrics import RunMetrics, read_jsonl, read_progress
+from .metrics import read_jsonl, read_progress
 
-
-class Followed(Protocol):
-    """What a display reads of a running job (``ddpnb.Job`` has it): no import of job.py."""
-
-    run_dir: Path
-    epochs: int | None  # how many epochs the run trains, when it says
-    error: BaseException | None
-    started_at: float
-    ended_at: float | None
-    nnodes: int
-    nproc_per_node: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    waiting: Any  # the hang watch's verdict (ddpnb.hang.Verdict) while not "ok", else None
-    hosts: list[str] | None  # per node, as the user named them (SSH); None: this machine
-
-    @property
-    def metrics(self) -> RunMetrics: ...
-
-    def node_status(self) -> dict[int, str]: ...
-
-    def last_line(self, node: int) -> str: ...
-
-    def node_steps(self) -> dict[int, int]: ...
+if TYPE_CHECKING:  # job.py imports this module
+    from .job import Job
 
 
 PLOT_INTERVAL = 1.0  # seconds between live-plot redraws at most
@@ -46,12 +23,11 @@ STATUS_COLORS = {
     "running": "#268bd2",
     "done": "#2aa160",
     "failed": "#dc322f",
-    "stopped": "#888888",
-    "external": "#888888",
     "hung": "#d33682",  # every rank waits in a collective and none moves
 }
 # The hang watch's verdicts as the panel shows them: (label, border colour).
 WAITING_STYLE = {"hang": ("The run hangs", "#d33682"), "slow": ("Slow phase", "#b58900")}
+BORDER = "1px solid var(--jp-border-color1, #ccc)"
 
 # A PNG cannot follow JupyterLab's theme: in a dark theme invert it (hues kept), not a white block.
 DARK_THEME_CSS = (
@@ -99,7 +75,7 @@ def _live_frontend() -> bool:
     return is_jupyter_server(argv)
 
 
-def make_progress(mode: str, job: Followed):
+def make_progress(mode: str, job: Job):
     """The display for ``mode`` ('auto', 'widgets', 'text', 'none')."""
     mode = os.environ.get("DDPNB_PROGRESS", mode) if mode == "auto" else mode
     if mode == "auto":
@@ -116,7 +92,7 @@ class NoProgress:
     def update(self) -> None:
         pass
 
-    def close(self, job: Followed) -> None:
+    def close(self, job: Job) -> None:
         pass
 
 
@@ -142,7 +118,7 @@ def _epoch_line(row: dict, epochs: int | None) -> str:
     return "  ".join(parts)
 
 
-def _start_line(job: Followed) -> str:
+def _start_line(job: Job) -> str:
     return (
         f"ddpnb: {job.nnodes} node(s) x {job.nproc_per_node} process(es) = world size "
         f"{job.world_size}; node 0 is the master and hosts the rendezvous at "
@@ -151,7 +127,7 @@ def _start_line(job: Followed) -> str:
     )
 
 
-def _finish_line(job: Followed) -> str:
+def _finish_line(job: Job) -> str:
     seconds = (job.ended_at or time.time()) - job.started_at
     if isinstance(job.error, KeyboardInterrupt):  # the user's choice, not a failure
         return f"ddpnb: run interrupted after {seconds:.1f} s; every process of it was stopped"
@@ -165,7 +141,7 @@ def _finish_line(job: Followed) -> str:
 class TextProgress:
     """A start line, a line per epoch, a finish line."""
 
-    def __init__(self, job: Followed) -> None:
+    def __init__(self, job: Job) -> None:
         self.job = job
         self.printed = 0
         self.said: str | None = None  # the hang watch's verdict kind last printed
@@ -182,15 +158,22 @@ class TextProgress:
             print(f"ddpnb: {WAITING_STYLE[kind][0].lower()}: {waiting.message}", flush=True)
         self.said = kind
 
-    def close(self, job: Followed) -> None:
+    def close(self, job: Job) -> None:
         self.update()
         print(_finish_line(job), flush=True)
+
+
+def _named(widget, name: str):
+    """``widget`` with the CSS class ``ddpnb-<name>``: names the part for a reader of the page
+    (and the browser test)."""
+    widget.add_class(f"ddpnb-{name}")
+    return widget
 
 
 class WidgetProgress:
     """One row per node, epoch and step bars, and a live loss/accuracy plot."""
 
-    def __init__(self, job: Followed) -> None:
+    def __init__(self, job: Job) -> None:
         import ipywidgets as w
         from IPython.display import display
 
@@ -198,45 +181,29 @@ class WidgetProgress:
         self.plotted, self.plot_updates = -1, 0
         self.last_plot = self.busy_said = 0.0
         self.title = w.HTML(f"<b>{_start_line(job)}</b>")
-        self.node_rows = [w.HTML() for _ in range(job.nnodes)]
-        bar = lambda name, top: w.IntProgress(
-            max=top, description=name, bar_style="info", layout=w.Layout(width="60%")
-        )
+        self.node_rows = [_named(w.HTML(), "node") for _ in range(job.nnodes)]
+
+        def bar(name: str, top: int):
+            kw = dict(description=name, bar_style="info", layout=w.Layout(width="60%"))
+            return _named(w.IntProgress(max=top, **kw), f"{name}-bar")
+
         self.epoch_bar, self.step_bar = bar("epoch", job.epochs or 1), bar("step", 1)
-        self.status = w.HTML()
-        self.waiting = w.HTML()  # the hang watch: a hang or a slow phase, named
+        self.status = _named(w.HTML(), "status")
+        self.waiting = _named(w.HTML(), "hang")  # the hang watch: a hang or a slow phase, named
         # Hidden until its first picture: an empty image shows as a broken-image icon.
-        self.plot = w.Image(format="png", layout=w.Layout(max_width="720px", display="none"))
-        # CSS classes name the parts for a reader of the page (and the browser test).
-        for widget, name in [
-            *((row, "ddpnb-node") for row in self.node_rows),
-            (self.epoch_bar, "ddpnb-epoch-bar"),
-            (self.step_bar, "ddpnb-step-bar"),
-            (self.status, "ddpnb-status"),
-            (self.waiting, "ddpnb-hang"),
-            (self.plot, "ddpnb-plot"),
-        ]:
-            widget.add_class(name)
-        nodes = w.VBox(
-            self.node_rows,
-            layout=w.Layout(
-                border="1px solid var(--jp-border-color1, #ccc)",
-                padding="4px",
-                max_height="220px",
-                overflow="auto",
-            ),
-        )
+        hidden = w.Layout(max_width="720px", display="none")
+        self.plot = _named(w.Image(format="png", layout=hidden), "plot")
+        box = w.Layout(border=BORDER, padding="4px", max_height="220px", overflow="auto")
         bars = [self.epoch_bar, self.step_bar]
-        parts = [w.HTML(DARK_THEME_CSS), self.title, nodes, *bars, self.status, self.waiting]
-        self.panel = w.VBox([*parts, self.plot])
-        self.panel.add_class("ddpnb-progress")
+        parts = [w.HTML(DARK_THEME_CSS), self.title, w.VBox(self.node_rows, layout=box), *bars]
+        self.panel = _named(w.VBox([*parts, self.status, self.waiting, self.plot]), "progress")
         display(self.panel)
         self.update()
 
     def _set_nodes(self) -> None:
         steps = self.job.node_steps()  # optimizer steps, from the hang watch
         for n, state in self.job.node_status().items():
-            color = STATUS_COLORS.get(state.split(" ")[0], "#888")
+            color = STATUS_COLORS.get(state.split(" ")[0], "#888")  # grey: stopped, external
             per, first = self.job.nproc_per_node, n * self.job.nproc_per_node
             ranks = f"rank {first}" if per == 1 else f"ranks {first}-{first + per - 1}"
             role = f" on {escape(self.job.hosts[n])}" if self.job.hosts else ""  # SSH's hosts
@@ -314,15 +281,13 @@ class WidgetProgress:
         fig = Figure(figsize=(7.2, 2.6), layout="constrained")
         ax_loss, ax_acc = fig.subplots(1, 2)
         # Markers: one epoch makes no line. Each curve uses the epochs that hold its number.
-        for ax, key, style, label in (
-            (ax_loss, "train_loss", "--o", "train"),
-            (ax_loss, "val_loss", "-o", "val"),
-            (ax_acc, "train_acc", "--o", "train"),
-            (ax_acc, "val_acc", "-o", "val"),
+        for (ax, key), (split, style) in itertools.product(
+            ((ax_loss, "loss"), (ax_acc, "acc")), (("train", "--o"), ("val", "-o"))
         ):
-            points = [(r["epoch"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            got = [(r["epoch"], r.get(f"{split}_{key}")) for r in rows]
+            points = [(x, y) for x, y in got if isinstance(y, (int, float))]
             if points:
-                ax.plot(*zip(*points), style, ms=3, label=label)
+                ax.plot(*zip(*points), style, ms=3, label=split)
         # Log scale, as in plot_curves: an early loss of 1000 would flatten the rest.
         ax_loss.set(title="loss (log)", xlabel="epoch", yscale="log")
         label_log_axis(ax_loss)  # 2 and 5 labelled too: a curve near 2 has a number beside it
@@ -336,7 +301,7 @@ class WidgetProgress:
         fig.savefig(buf, format="png", dpi=90)
         return buf.getvalue()
 
-    def close(self, job: Followed) -> None:
+    def close(self, job: Job) -> None:
         self.last_plot = 0.0
         self.update()
         stopped = isinstance(job.error, KeyboardInterrupt)

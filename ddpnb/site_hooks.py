@@ -12,11 +12,23 @@ import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
+
+
+def _activate(module) -> None:
+    """``module.activate(folder)`` in a worker (RANK set) of a run that asks for it (its folder
+    variable set), once, and not in the processes the worker starts (mp.spawn's, subprocesses)."""
+    folder, pid = os.environ.get(module.DIR_ENV), str(os.getpid())
+    if folder and "RANK" in os.environ and module.active is None:
+        if (os.environ.get(module.OWNER_ENV) or pid) == pid:
+            os.environ[module.OWNER_ENV] = pid
+            module.activate(folder)
+
+
 _hooks = []
 for _name in ("ddpnb_watch", "ddpnb_observe"):
     try:
         _module = importlib.import_module(_name)
-        _module.activate()
+        _activate(_module)
         _hooks.append(_module)
     except Exception as e:  # never stop the script for ddpnb's sake
         sys.stderr.write(f"ddpnb: {_name} not loaded: {e!r}\n")

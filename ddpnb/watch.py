@@ -9,6 +9,7 @@ taken. No ptrace, no signal; no measurable cost (bench/hang_watch.py). ``ddpnb.h
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import linecache
 import os
@@ -22,31 +23,49 @@ INTERVAL_ENV = "DDPNB_WATCH_INTERVAL"  # seconds between snapshots
 OWNER_ENV = "DDPNB_WATCH_OWNER"  # the watched process's pid: processes it starts are not watched
 MAX_FRAMES = 60  # innermost frames kept
 HOOKS_DIR = ".ddpnb"  # the run directory's folder of ddpnb's hooks (this file among them)
+RUN_DIR = os.path.realpath(os.getcwd()) + os.sep  # the user's files: the working dir at start
 
-_watch = None  # the _Watch of this process, once activated
+active = None  # the _Watch of this process, once the sitecustomize activated it
 
 
-def activate() -> None:
-    """Start watching this process, if it is a worker of a watched run (else do nothing)."""
-    global _watch
-    folder = os.environ.get(DIR_ENV)
-    if not folder or "RANK" not in os.environ or _watch is not None:
-        return
-    if (os.environ.get(OWNER_ENV) or str(os.getpid())) != str(os.getpid()):
-        return  # a process the worker started (torch.multiprocessing.spawn, a subprocess)
-    os.environ[OWNER_ENV] = str(os.getpid())
+def activate(folder: str) -> None:
+    """Watch this worker (the sitecustomize checked that it is one)."""
+    global active
     os.makedirs(folder, exist_ok=True)
-    _watch = _Watch(folder, float(os.environ.get(INTERVAL_ENV) or 2.0))
-    threading.Thread(target=_watch.run, name="ddpnb-watch", daemon=True).start()
-    atexit.register(_watch.write, "ended")
+    active = _Watch(folder, float(os.environ.get(INTERVAL_ENV) or 2.0))
+    threading.Thread(target=active.run, name="ddpnb-watch", daemon=True).start()
+    atexit.register(active.write, "ended")
 
 
 def install(torch) -> None:
     """Count optimizer steps (called in the main thread right after ``import torch``)."""
-    if _watch is not None:
+    if active is not None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        register_optimizer_step_post_hook(_watch.stepped)
+        register_optimizer_step_post_hook(active.stepped)
+
+
+@functools.cache
+def user_file(filename: str) -> str | None:
+    """The file's path in the run directory when it is the user's (not ddpnb's), else None."""
+    path = os.path.realpath(filename)
+    ours = path.startswith(RUN_DIR + HOOKS_DIR + os.sep)
+    ours = ours or os.path.basename(path) == "ddpnb_reporting.py"
+    ok = path.startswith(RUN_DIR) and not ours and not filename.startswith("<")
+    return path[len(RUN_DIR) :] if ok and "site-packages" not in path else None
+
+
+def main_stack() -> list[list]:
+    """The main thread's frames, outermost first: [file, line, function, source, mine]."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    out = []
+    while frame is not None and len(out) < MAX_FRAMES:
+        code = frame.f_code
+        name = user_file(code.co_filename)
+        text = linecache.getline(code.co_filename, frame.f_lineno).strip()[:120]
+        out.append([name or code.co_filename, frame.f_lineno, code.co_name, text, bool(name)])
+        frame = frame.f_back
+    return out[::-1]
 
 
 class _Watch:
@@ -54,10 +73,6 @@ class _Watch:
         self.path = os.path.join(folder, f"rank-{os.environ['RANK']}.json")
         self.interval = interval
         self.pid = os.getpid()
-        self.main = threading.main_thread().ident
-        # The user's files: those in the run directory (the working directory at start).
-        self.run_dir = os.path.realpath(os.getcwd()) + os.sep
-        self.mine: dict[str, str | None] = {}
         self.steps = self.seq = 0
         self.last: tuple | None = None  # (stack, steps) of the previous snapshot
         self.moved_at = time.time()
@@ -84,35 +99,12 @@ class _Watch:
             except Exception:  # a full disk, a torn interpreter at exit: never the script's problem
                 pass
 
-    def stack(self) -> list[list]:
-        """The main thread's frames, outermost first: [file, line, function, source, mine]."""
-        frame = sys._current_frames().get(self.main)
-        out = []
-        while frame is not None and len(out) < MAX_FRAMES:
-            code = frame.f_code
-            name = self._mine(code.co_filename)
-            text = linecache.getline(code.co_filename, frame.f_lineno).strip()[:120]
-            out.append([name or code.co_filename, frame.f_lineno, code.co_name, text, bool(name)])
-            frame = frame.f_back
-        return out[::-1]
-
-    def _mine(self, filename: str) -> str | None:
-        """The file's path in the run directory when it is the user's, else None."""
-        if filename not in self.mine:
-            path = os.path.realpath(filename)
-            ours = path.startswith(self.run_dir + HOOKS_DIR + os.sep)
-            ours = ours or os.path.basename(path) == "ddpnb_reporting.py"
-            ok = path.startswith(self.run_dir) and not ours and not filename.startswith("<")
-            ok = ok and "site-packages" not in path
-            self.mine[filename] = path[len(self.run_dir) :] if ok else None
-        return self.mine[filename]
-
     def write(self, state: str) -> None:
         if os.getpid() != self.pid or self.ended:
             return  # a forked child (a DataLoader worker) has no watch of its own
         self.ended = state == "ended"
         now = time.time()
-        stack = [] if self.ended else self.stack()
+        stack = [] if self.ended else main_stack()
         key = ([f[:3] for f in stack], self.steps)
         if key != self.last:
             self.last, self.moved_at = key, now

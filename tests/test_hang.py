@@ -231,3 +231,43 @@ def test_ddpnb_stacks_names_a_node_that_stopped_reporting(tmp_path):
     assert out.returncode == 2, out
     assert "node 1 (gpu2)" in out.stderr and "stopped reporting" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_hooks_start_in_a_worker_once_and_not_in_the_processes_it_starts(tmp_path):
+    """site_hooks' one guard: the watch and the observer run in a process with RANK and their
+    folders set, and not in a child of it (a subprocess, mp.spawn's, a DataLoader worker)."""
+    import os
+
+    from ddpnb.hang import hooks_payload
+
+    for name, data in hooks_payload().items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "observe").mkdir()
+    active = (  # a worker and its child say whether their watch and observer run
+        "import sys; print(sys.modules['ddpnb_watch'].active, "
+        "sys.modules['ddpnb_observe'].active, flush=True)"
+    )
+    script = f"import subprocess\n{active}\nsubprocess.run([sys.executable, '-c', {active!r}])"
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "DDPNB_WATCH": str(tmp_path / "watch"),
+        "DDPNB_OBSERVE": str(tmp_path / "observe"),
+        "PYTHONPATH": str(tmp_path / ".ddpnb"),
+    }
+    for owner in ("DDPNB_WATCH_OWNER", "DDPNB_OBSERVE_OWNER"):
+        env.pop(owner, None)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    worker, child = out.stdout.splitlines()
+    assert "_Watch object" in worker and "_Observer object" in worker, out
+    assert child == "None None", out
+    assert (tmp_path / "watch").is_dir() and (tmp_path / "observe" / "rank-0.jsonl").exists()
