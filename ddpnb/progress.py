@@ -8,12 +8,32 @@ import os
 import sys
 import time
 from html import escape
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
-from .metrics import read_jsonl, read_progress
+from .metrics import RunMetrics, read_jsonl, read_progress
 
-if TYPE_CHECKING:  # job.py imports this module
-    from .job import Job
+
+class Followed(Protocol):
+    """What a display reads of a running job (``ddpnb.Job`` has it): no import of job.py."""
+
+    run_dir: Path
+    epochs: int | None  # how many epochs the run trains, when it says
+    error: BaseException | None
+    started_at: float
+    ended_at: float | None
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    waiting: Any  # the hang watch's verdict (ddpnb.hang.Verdict) while not "ok", else None
+    hosts: list[str] | None  # per node, as the user named them (SSH); None: this machine
+
+    @property
+    def metrics(self) -> RunMetrics: ...
+
+    def node_status(self) -> dict[int, str]: ...
 
 
 PLOT_INTERVAL = 1.0  # seconds between live-plot redraws at most
@@ -75,7 +95,7 @@ def _live_frontend() -> bool:
     return is_jupyter_server(argv)
 
 
-def make_progress(mode: str, job: Job):
+def make_progress(mode: str, job: Followed):
     """The display for ``mode`` ('auto', 'widgets', 'text', 'none')."""
     mode = os.environ.get("DDPNB_PROGRESS", mode) if mode == "auto" else mode
     if mode == "auto":
@@ -92,7 +112,7 @@ class NoProgress:
     def update(self) -> None:
         pass
 
-    def close(self, job: Job) -> None:
+    def close(self, job: Followed) -> None:
         pass
 
 
@@ -118,7 +138,7 @@ def _epoch_line(row: dict, epochs: int | None) -> str:
     return "  ".join(parts)
 
 
-def _start_line(job: Job) -> str:
+def _start_line(job: Followed) -> str:
     return (
         f"ddpnb: {job.nnodes} node(s) x {job.nproc_per_node} process(es) = world size "
         f"{job.world_size}; node 0 is the master and hosts the rendezvous at "
@@ -127,7 +147,7 @@ def _start_line(job: Job) -> str:
     )
 
 
-def _finish_line(job: Job) -> str:
+def _finish_line(job: Followed) -> str:
     seconds = (job.ended_at or time.time()) - job.started_at
     if isinstance(job.error, KeyboardInterrupt):  # the user's choice, not a failure
         return f"ddpnb: run interrupted after {seconds:.1f} s; every process of it was stopped"
@@ -141,7 +161,7 @@ def _finish_line(job: Job) -> str:
 class TextProgress:
     """A start line, a line per epoch, a finish line."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Followed) -> None:
         self.job = job
         self.printed = 0
         self.said: str | None = None  # the hang watch's verdict kind last printed
@@ -158,7 +178,7 @@ class TextProgress:
             print(f"ddpnb: {WAITING_STYLE[kind][0].lower()}: {waiting.message}", flush=True)
         self.said = kind
 
-    def close(self, job: Job) -> None:
+    def close(self, job: Followed) -> None:
         self.update()
         print(_finish_line(job), flush=True)
 
@@ -173,7 +193,7 @@ def _named(widget, name: str):
 class WidgetProgress:
     """One row per node, epoch and step bars, and a live loss/accuracy plot."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Followed) -> None:
         import ipywidgets as w
         from IPython.display import display
 
@@ -301,7 +321,7 @@ class WidgetProgress:
         fig.savefig(buf, format="png", dpi=90)
         return buf.getvalue()
 
-    def close(self, job: Job) -> None:
+    def close(self, job: Followed) -> None:
         self.last_plot = 0.0
         self.update()
         stopped = isinstance(job.error, KeyboardInterrupt)
