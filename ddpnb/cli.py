@@ -94,14 +94,15 @@ def _seconds_or_off(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"a number of seconds, or 'off', not {text!r}") from None
 
 
-# Keywords of launch() and co. as name: (kind, help); passed only if given: defaults stay theirs.
+# The keywords of launch(), submit_slurm() and check_hosts() as name: (kind, help); each command
+# picks its options from this table by name. Passed only if given: the defaults stay theirs.
 N = {"type": int, "metavar": "N"}
 TEXT: dict[str, Any] = {}
 SWITCH = {"action": "store_true"}
 REPEAT = {"action": "append", "metavar": "ARG"}
 SECONDS = {"type": _seconds_or_off, "metavar": "SECONDS"}
 HOST_LIST = {"type": lambda t: [h.strip() for h in t.split(",") if h.strip()], "metavar": "A,B"}
-LAUNCH = {
+OPTIONS = {
     "nnodes": (N, "nodes: simulated on this machine (default 2; `train`: 1), or one per --hosts"),
     "nproc_per_node": (N, "processes (workers) per node (default: 1)"),
     "master_addr": (TEXT, "node 0's address (default 127.0.0.1, or with --hosts the first host's)"),
@@ -120,44 +121,43 @@ LAUNCH = {
         {"choices": ("stop", "wait")},
         "stop: end a hung run naming every rank's line (default); wait: show it and keep waiting",
     ),
-}
-HOSTS = {
     "hosts": (HOST_LIST, "A,B[,C]: real hosts over SSH, one node each, the first is node 0"),
     "ssh_config": (TEXT, "an OpenSSH client config (ssh -F)"),
     "ssh_options": (REPEAT, "one extra ssh argument, verbatim (repeat: --ssh-option=-o ...)"),
     "python": (TEXT, "the hosts' interpreter (default: this one's path)"),
     "remote_run_dir": (TEXT, "the run directory on hosts that do not share this one"),
-}
-SLURM = {
     "partition": (TEXT, "the partition (default: the cluster's default)"),
     "time": (TEXT, "the time limit (sbatch --time; default: 01:00:00)"),
     "account": (TEXT, "the account to charge"),
     "gpus_per_node": (N, "GPUs per node (sbatch --gpus-per-node)"),
     "sbatch_args": (REPEAT, "one extra sbatch argument, verbatim (repeat: --sbatch-arg=--requeue)"),
 }
-SUBMIT = {
-    "nproc_per_node": LAUNCH["nproc_per_node"],
-    **SLURM,
-    **{name: (LAUNCH | HOSTS)[name] for name in ("python", "max_restarts", "resume", "overwrite")},
-}
-CHECK_HOSTS = {
-    **{name: HOSTS[name] for name in ("ssh_config", "ssh_options", "python")},
-    **{name: LAUNCH[name] for name in ("nproc_per_node", "master_addr")},
-    "master_port": (N, "node 0's rendezvous port to prove (default: 29500)"),
-}
+HOSTS = ["hosts", "ssh_config", "ssh_options", "python", "remote_run_dir"]
+SLURM = ["partition", "time", "account", "gpus_per_node", "sbatch_args"]
+LAUNCH = [name for name in OPTIONS if name not in HOSTS + SLURM]
+SUBMIT = ["nproc_per_node", *SLURM, "python", "max_restarts", "resume", "overwrite"]
+CHECK_HOSTS = [
+    "ssh_config",
+    "ssh_options",
+    "python",
+    "nproc_per_node",
+    "master_addr",
+    "master_port",
+]
 
 
 def _flags(name: str) -> tuple[str, ...]:
     return FLAGS.get(name, ("--" + name.replace("_", "-"),))
 
 
-def _options(group, table: dict) -> None:
-    for name, (kind, help_) in table.items():
+def _options(group, names: list[str], **override: tuple) -> None:
+    for name in names:
+        kind, help_ = (OPTIONS | override)[name]
         group.add_argument(*_flags(name), dest=name, default=argparse.SUPPRESS, help=help_, **kind)
 
 
-def _given(args: argparse.Namespace, table: dict) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in table if hasattr(args, name)}
+def _given(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def launch_options(parser: argparse.ArgumentParser) -> None:
@@ -167,7 +167,7 @@ def launch_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _launch_kwargs(args: argparse.Namespace, default_nnodes: int | None = None) -> dict:
-    kwargs = _given(args, LAUNCH | HOSTS)
+    kwargs = _given(args, LAUNCH + HOSTS)
     if "env" in kwargs:
         env = {}
         for item in kwargs["env"]:
@@ -226,7 +226,9 @@ def _parser() -> argparse.ArgumentParser:
     _config_options(submit)
     check = _command(sub, "check-hosts", _check_hosts)
     check.add_argument("--hosts", required=True, **HOST_LIST)
-    _options(check, CHECK_HOSTS)
+    _options(
+        check, CHECK_HOSTS, master_port=(N, "node 0's rendezvous port to prove (default: 29500)")
+    )
     check.add_argument(
         "--data", help="also check this dataset (the tutorial worker's) on each host"
     )
@@ -371,43 +373,48 @@ class _StopSignals:
             raise StoppedBySignal(self.received) from exc  # e.g. a write to a closed terminal
 
 
-# Each command returns the exit status; those that start processes stop them all on a signal.
+# Each command returns its exit status (None: 0); those that start processes stop them all on a
+# signal.
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace) -> None:
     config = train_config(args)
     with _StopSignals():
         job = launch(config, args.run_dir, progress="text", **_launch_kwargs(args, 1))
     print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
-    return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> None:
     script = Script(args.script, args.script_args, args.file, args.max_copy_mb)
     run_dir = args.run_dir or str(Path("runs") / Path(args.script).stem)
     kwargs = _launch_kwargs(args)
-    if not args.slurm:
-        with _StopSignals():
-            job = launch(script, run_dir, progress="text", **kwargs)
-        print(f"run directory: {job.run_dir}")
-        return 0
-    local = ("hosts", "ssh_config", "remote_run_dir", "master_addr", "master_port", "ssh_options")
-    given = [name for name in local if name in kwargs]
-    if given:
-        raise ConfigError(
-            f"{_flags(given[0])[0]} does not apply with --slurm: Slurm picks the nodes "
-            "and the first one hosts the rendezvous."
+    if args.slurm:
+        local = (
+            "hosts",
+            "ssh_config",
+            "remote_run_dir",
+            "master_addr",
+            "master_port",
+            "ssh_options",
         )
-    nnodes = kwargs.pop("nnodes", None) or 2
-    return _slurm_job(script, run_dir, nnodes, args.detach, kwargs | _given(args, SLURM))
+        if given := [name for name in local if name in kwargs]:
+            raise ConfigError(
+                f"{_flags(given[0])[0]} does not apply with --slurm: Slurm picks the nodes "
+                "and the first one hosts the rendezvous."
+            )
+        nnodes = kwargs.pop("nnodes", None) or 2
+        return _slurm_job(script, run_dir, nnodes, args.detach, kwargs | _given(args, SLURM))
+    with _StopSignals():
+        job = launch(script, run_dir, progress="text", **kwargs)
+    print(f"run directory: {job.run_dir}")
 
 
-def _submit(args: argparse.Namespace) -> int:
+def _submit(args: argparse.Namespace) -> None:
     config = train_config(args)
-    return _slurm_job(config, args.run_dir, args.nnodes, args.detach, _given(args, SUBMIT))
+    _slurm_job(config, args.run_dir, args.nnodes, args.detach, _given(args, SUBMIT))
 
 
-def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) -> int:
+def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) -> None:
     """``submit`` and ``run --slurm``: submit_slurm(), followed as text unless detached."""
     from .slurm import submit_slurm
 
@@ -420,19 +427,17 @@ def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) ->
         )
     else:
         print(f"run directory: {job.run_dir}")
-    return 0
 
 
-def _attach(args: argparse.Namespace) -> int:
+def _attach(args: argparse.Namespace) -> None:
     from .slurm import attach
 
     with _StopSignals():
         job = attach(args.run_dir, progress="text")
     print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
-    return 0
 
 
-def _check_hosts(args: argparse.Namespace) -> int:
+def _check_hosts(args: argparse.Namespace) -> int | None:
     from .remote import check_hosts
 
     config = TrainConfig(data_dir=args.data) if args.data else None
@@ -444,7 +449,6 @@ def _check_hosts(args: argparse.Namespace) -> int:
     print(rows)
     text = rows.network.table()
     print(text[text.index("node 0 at") :])  # the interfaces chosen, and why
-    return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -465,48 +469,41 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _prep(args: argparse.Namespace) -> int:
+def _prep(args: argparse.Namespace) -> None:
     root = prepare_digits(args.out, args.image_size, args.val_fraction, args.seed, args.overwrite)
     inspect_dataset(root)
-    return 0
 
 
 def _check(args: argparse.Namespace) -> int:
     return 0 if inspect_dataset(args.dir).ok else 1
 
 
-def _stacks(args: argparse.Namespace) -> int:
+def _stacks(args: argparse.Namespace) -> None:
     print(stacks(args.run_dir))
-    return 0
 
 
-def _plot(args: argparse.Namespace) -> int:
+def _plot(args: argparse.Namespace) -> None:
     from .plot import plot_curves
 
     plot_curves(args.run_dirs).savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
-    return 0
 
 
-def _commands(args: argparse.Namespace) -> int:
-    config = _run_config(args.run_dir)
+def _commands(args: argparse.Namespace) -> None:
+    nodes = (args.hosts, args.nproc_per_node, args.master_port)
     options = {"rendezvous": args.rendezvous, "node_rank": args.node_rank}
-    lines = node_commands(
-        config, args.run_dir, args.hosts, args.nproc_per_node, args.master_port, **options
-    )
+    lines = node_commands(_run_config(args.run_dir), args.run_dir, *nodes, **options)
     shown = args.hosts if args.node_rank is None else [args.hosts[args.node_rank]]
     print(format_node_commands(shown, lines))
-    return 0
 
 
-def _slurm(args: argparse.Namespace) -> int:
+def _slurm(args: argparse.Namespace) -> None:
     from .slurm import slurm_script
 
-    config = _run_config(args.run_dir)
     nodes = (args.nnodes, args.nproc_per_node, args.master_port)
+    config = _run_config(args.run_dir)
     slurm_script(config, args.run_dir, *nodes, gpus_per_node=args.gpus_per_node, path=args.out)
     print(f"wrote {args.out}; submit with: sbatch {args.out}")
-    return 0
 
 
 def _run_config(run_dir: str) -> TrainConfig:
@@ -527,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130
     args = _parser().parse_args(argv)
     try:
-        return args.handler(args)
+        return args.handler(args) or 0
     except DdpnbError as e:
         print(f"ddpnb {args.command}: error: {e}", file=sys.stderr)
         return 2
