@@ -169,13 +169,10 @@ def launch_options(parser: argparse.ArgumentParser) -> None:
 def _launch_kwargs(args: argparse.Namespace, default_nnodes: int | None = None) -> dict:
     kwargs = _given(args, LAUNCH + HOSTS)
     if "env" in kwargs:
-        env = {}
-        for item in kwargs["env"]:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise ConfigError(f"--env takes KEY=VALUE, got {item!r}.")
-            env[key] = value
-        kwargs["env"] = env
+        pairs = [item.partition("=") for item in kwargs["env"]]
+        if bad := [k + sep + v for k, sep, v in pairs if not sep or not k]:
+            raise ConfigError(f"--env takes KEY=VALUE, got {bad[0]!r}.")
+        kwargs["env"] = {key: value for key, _, value in pairs}
     if default_nnodes and "nnodes" not in kwargs and not kwargs.get("hosts"):
         kwargs["nnodes"] = default_nnodes
     return kwargs
@@ -232,7 +229,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--data", help="also check this dataset (the tutorial worker's) on each host"
     )
-    _sweep_parser(_command(sub, "sweep", _sweep, usage=SWEEP_USAGE))
+    _sweep_parser(_command(sub, "sweep", _sweep))
     _command(sub, "attach", _attach).add_argument("run_dir")
     slurm = _command(sub, "slurm", _slurm)
     slurm.add_argument("--run-dir", required=True)
@@ -265,10 +262,8 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS")
 
 
-SWEEP_USAGE = "ddpnb sweep NOTEBOOK --out DIR [-p NAME VALUE]... [-g NAME V1,V2]..."
-
-
 def _sweep_parser(p: argparse.ArgumentParser) -> None:
+    p.usage = "ddpnb sweep NOTEBOOK --out DIR [-p NAME VALUE]... [-g NAME V1,V2]..."
     p.add_argument("notebook", metavar="NOTEBOOK", help="the notebook (.ipynb) to run")
     p.add_argument("--out", required=True, metavar="DIR", help="where everything goes")
     pairs = {"nargs": 2, "action": "append", "default": []}

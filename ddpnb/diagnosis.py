@@ -243,14 +243,10 @@ def diagnose_failure(
     joined = re.search(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+)", tail)
     if joined or "RendezvousTimeoutError" in tail:
         counted = f" ({joined.group(1)} of {joined.group(2)} nodes joined)" if joined else ""
+        how = f"timed out after {topology.rdzv_timeout} s{counted}"
+        kw = {"node_rank": node, "exit_code": failed[node], "log_tail": log_tail(run_dir, node, 5)}
         return _rendezvous_timeout(
-            topology,
-            local_nodes,
-            f"timed out after {topology.rdzv_timeout} s{counted}",
-            " The other nodes were stopped.",
-            node_rank=node,
-            exit_code=failed[node],
-            log_tail=log_tail(run_dir, node, 5),
+            topology, local_nodes, how, " The other nodes were stopped.", **kw
         )
     first = next(iter(failed_ranks(run_dir, node, 200)), {})
     rank, exit_code = first.get("rank"), first.get("exit_code", failed[node])

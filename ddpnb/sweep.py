@@ -61,9 +61,7 @@ def parse_axis(name: str, text: str) -> list[Any]:
 
 
 def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if value is None or isinstance(value, (bool, int, float)):
+    if value is None or isinstance(value, (str, bool, int, float)):
         return str(value)
     return json.dumps(value, default=str, separators=(",", ":"))
 
@@ -203,7 +201,7 @@ def plan(
         k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in parameters.items()
     }
     combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-    points = []
+    points, seen = [], {}  # seen: (parameter, run directory) -> the point writing it
     for name, values in zip(point_names(combos, _safe(notebook.stem)), combos):
         given = {**parameters, **values}
         for param in RUN_DIR_PARAMETERS:  # each point's runs inside its own folder
@@ -211,28 +209,18 @@ def plan(
                 default = known[param]
                 leaf = Path(default).name if isinstance(default, str) and default else "run"
                 given[param] = str(out_dir / name / leaf)
+            if isinstance(value := given.get(param), str):
+                key = (param, (cwd / value).resolve())
+                if key in seen:
+                    raise ConfigError(
+                        f"Points {seen[key]} and {name} would both write {param}={value!r} "
+                        f"and overwrite each other: leave {param} out (each point's run then goes "
+                        f"into its own folder under the sweep's output folder), or make it a "
+                        "grid axis with one value per point."
+                    )
+                seen[key] = name
         points.append(Point(name, values, given, out_dir, cwd))
-    _check_run_dirs_apart(points)
     return points
-
-
-def _check_run_dirs_apart(points: list[Point]) -> None:
-    """Two points writing one run directory would overwrite each other."""
-    seen: dict[tuple[str, Path], str] = {}
-    for point in points:
-        for param in RUN_DIR_PARAMETERS:
-            value = point.parameters.get(param)
-            if not isinstance(value, str):
-                continue
-            key = (param, (point.cwd / value).resolve())
-            if key in seen:
-                raise ConfigError(
-                    f"Points {seen[key]} and {point.name} would both write {param}={value!r} "
-                    f"and overwrite each other: leave {param} out (each point's run then goes "
-                    f"into its own folder under the sweep's output folder), or make it a grid "
-                    "axis with one value per point."
-                )
-            seen[key] = point.name
 
 
 def _check_existing(points: list[Point], notebook: Path) -> None:
@@ -395,10 +383,7 @@ class SweepResult(Table):
 
 def _shown(path: Path) -> str:
     """``path`` relative to the current folder when it lies below it."""
-    try:
-        return str(path.relative_to(os.getcwd()))
-    except ValueError:
-        return str(path)
+    return str(path.relative_to(os.getcwd()) if path.is_relative_to(os.getcwd()) else path)
 
 
 def _row(point: Point, status: str) -> dict:
