@@ -18,7 +18,10 @@ from .data import inspect_dataset, prepare_digits
 from .errors import ConfigError, DdpnbError, HostError
 from .hang import stacks
 from .launch import launch
+from .remote import check_hosts
 from .script import Script, script_options
+from .slurm import attach, slurm_script, submit_slurm
+from .sweep import parse_axis, resolve_type, sweep
 
 _FIELD_DEST = "field:"  # namespace prefix of the TrainConfig options
 # Options whose flags are not --name-with-dashes (repeatable ones are singular).
@@ -384,14 +387,7 @@ def _run(args: argparse.Namespace) -> None:
     run_dir = args.run_dir or str(Path("runs") / Path(args.script).stem)
     kwargs = _launch_kwargs(args)
     if args.slurm:
-        local = (
-            "hosts",
-            "ssh_config",
-            "remote_run_dir",
-            "master_addr",
-            "master_port",
-            "ssh_options",
-        )
+        local = "hosts ssh_config remote_run_dir master_addr master_port ssh_options".split()
         if given := [name for name in local if name in kwargs]:
             raise ConfigError(
                 f"{_flags(given[0])[0]} does not apply with --slurm: Slurm picks the nodes "
@@ -411,8 +407,6 @@ def _submit(args: argparse.Namespace) -> None:
 
 def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) -> None:
     """``submit`` and ``run --slurm``: submit_slurm(), followed as text unless detached."""
-    from .slurm import submit_slurm
-
     with _StopSignals():  # Ctrl-C, SIGTERM and SIGHUP cancel the job
         job = submit_slurm(what, run_dir, nnodes, wait=not detach, progress="text", **keywords)
     if detach:
@@ -425,16 +419,12 @@ def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) ->
 
 
 def _attach(args: argparse.Namespace) -> None:
-    from .slurm import attach
-
     with _StopSignals():
         job = attach(args.run_dir, progress="text")
     print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
 
 
 def _check_hosts(args: argparse.Namespace) -> int | None:
-    from .remote import check_hosts
-
     config = TrainConfig(data_dir=args.data) if args.data else None
     try:
         rows = check_hosts(config, args.hosts, **_given(args, CHECK_HOSTS))
@@ -447,8 +437,6 @@ def _check_hosts(args: argparse.Namespace) -> int | None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from .sweep import parse_axis, resolve_type, sweep
-
     parameters = {name: resolve_type(value) for name, value in args.parameters}
     grid: dict[str, list] = {}
     for name, text in args.grid:
@@ -493,8 +481,6 @@ def _commands(args: argparse.Namespace) -> None:
 
 
 def _slurm(args: argparse.Namespace) -> None:
-    from .slurm import slurm_script
-
     nodes = (args.nnodes, args.nproc_per_node, args.master_port)
     config = _run_config(args.run_dir)
     slurm_script(config, args.run_dir, *nodes, gpus_per_node=args.gpus_per_node, path=args.out)

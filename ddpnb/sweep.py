@@ -224,36 +224,31 @@ def plan(
 
 
 def _check_existing(points: list[Point], notebook: Path) -> None:
-    """Nothing a user produced is replaced (without ``overwrite``)."""
+    """Nothing a user produced is replaced, no point redone otherwise (without ``overwrite``)."""
     for point in points:
-        record = point.record()
-        taken = [p for p in (point.notebook, point.folder) if p.exists()]
-        if not record and taken:
-            raise ConfigError(
-                f"{taken[0]} exists and was not written by a sweep: move it, choose another "
-                "output folder, or pass overwrite=True (--overwrite) to replace it."
-            )
-        changed = _differences(record, notebook, point) if record else []
+        if not (record := point.record()):
+            if taken := [p for p in (point.notebook, point.folder) if p.exists()]:
+                raise ConfigError(
+                    f"{taken[0]} exists and was not written by a sweep: move it, choose another "
+                    "output folder, or pass overwrite=True (--overwrite) to replace it."
+                )
+            continue
+        changed = []
+        if record.get("notebook") != str(notebook):
+            changed.append(f"notebook {record.get('notebook')} then, {notebook} now")
+        # As they read back from a record: tuples become lists, paths text.
+        given = (record.get("parameters") or {}, point.parameters)
+        then, now = (json.loads(json.dumps(d, default=str)) for d in given)
+        for name in dict.fromkeys([*then, *now]):
+            if then.get(name, ...) != now.get(name, ...):
+                before, after = (repr(d[name]) if name in d else "unset" for d in (then, now))
+                changed.append(f"{name} {before} then, {after} now")
         if changed:
             raise ConfigError(
                 f"Point {point.name} in {point.notebook.parent} was run with other settings "
                 f"({'; '.join(changed)}): choose another output folder, or pass "
                 "overwrite=True (--overwrite) to redo it with these."
             )
-
-
-def _differences(record: dict, notebook: Path, point: Point) -> list[str]:
-    changed = []
-    if record.get("notebook") != str(notebook):
-        changed.append(f"notebook {record.get('notebook')} then, {notebook} now")
-    # As they read back from a record: tuples become lists, paths text.
-    given = (record.get("parameters") or {}, point.parameters)
-    then, now = (json.loads(json.dumps(d, default=str)) for d in given)
-    for name in dict.fromkeys([*then, *now]):
-        if then.get(name, ...) != now.get(name, ...):
-            before, after = (repr(d[name]) if name in d else "unset" for d in (then, now))
-            changed.append(f"{name} {before} then, {after} now")
-    return changed
 
 
 def _signal_kernels(managers: list, sig: int, skip: set[int] = frozenset()) -> set[int]:
