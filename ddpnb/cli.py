@@ -354,9 +354,8 @@ class _StopSignals:
     def __enter__(self) -> _StopSignals:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
-        for name in ("SIGTERM", "SIGHUP"):
-            sig = getattr(signal, name, None)
-            if sig is None or signal.getsignal(sig) is signal.SIG_IGN:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_IGN:
                 continue  # e.g. nohup: an ignored SIGHUP stays ignored
             try:
                 self.previous[sig] = signal.signal(sig, self._handle)

@@ -400,7 +400,7 @@ def _row(point: Point, status: str) -> dict:
 
 
 def _gather(points: list[Point], statuses: dict, grid: Mapping, fixed: Mapping, draw: bool = True):
-    """The table as it stands, written to summary.csv, and curves.png unless not ``draw``n."""
+    """The table as it stands, written to summary.csv; with ``draw``, curves.png too."""
     rows = [_row(p, statuses.get(p.name) or ("done" if p.is_done() else "not run")) for p in points]
     out_dir = points[0].notebook.parent
     text = io.StringIO()
