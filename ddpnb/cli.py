@@ -18,7 +18,10 @@ from .data import inspect_dataset, prepare_digits
 from .errors import ConfigError, DdpnbError, HostError
 from .hang import stacks
 from .launch import launch
+from .remote import check_hosts
 from .script import Script, script_options
+from .slurm import attach, slurm_script, submit_slurm
+from .sweep import parse_axis, resolve_type, sweep
 
 _FIELD_DEST = "field:"  # namespace prefix of the TrainConfig options
 # Options whose flags are not --name-with-dashes (repeatable ones are singular).
@@ -94,14 +97,15 @@ def _seconds_or_off(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"a number of seconds, or 'off', not {text!r}") from None
 
 
-# Keywords of launch() and co. as name: (kind, help); passed only if given: defaults stay theirs.
+# The keywords of launch(), submit_slurm() and check_hosts() as name: (kind, help); each command
+# picks its options from this table by name. Passed only if given: the defaults stay theirs.
 N = {"type": int, "metavar": "N"}
 TEXT: dict[str, Any] = {}
 SWITCH = {"action": "store_true"}
 REPEAT = {"action": "append", "metavar": "ARG"}
 SECONDS = {"type": _seconds_or_off, "metavar": "SECONDS"}
 HOST_LIST = {"type": lambda t: [h.strip() for h in t.split(",") if h.strip()], "metavar": "A,B"}
-LAUNCH = {
+OPTIONS = {
     "nnodes": (N, "nodes: simulated on this machine (default 2; `train`: 1), or one per --hosts"),
     "nproc_per_node": (N, "processes (workers) per node (default: 1)"),
     "master_addr": (TEXT, "node 0's address (default 127.0.0.1, or with --hosts the first host's)"),
@@ -120,44 +124,43 @@ LAUNCH = {
         {"choices": ("stop", "wait")},
         "stop: end a hung run naming every rank's line (default); wait: show it and keep waiting",
     ),
-}
-HOSTS = {
     "hosts": (HOST_LIST, "A,B[,C]: real hosts over SSH, one node each, the first is node 0"),
     "ssh_config": (TEXT, "an OpenSSH client config (ssh -F)"),
     "ssh_options": (REPEAT, "one extra ssh argument, verbatim (repeat: --ssh-option=-o ...)"),
     "python": (TEXT, "the hosts' interpreter (default: this one's path)"),
     "remote_run_dir": (TEXT, "the run directory on hosts that do not share this one"),
-}
-SLURM = {
     "partition": (TEXT, "the partition (default: the cluster's default)"),
     "time": (TEXT, "the time limit (sbatch --time; default: 01:00:00)"),
     "account": (TEXT, "the account to charge"),
     "gpus_per_node": (N, "GPUs per node (sbatch --gpus-per-node)"),
     "sbatch_args": (REPEAT, "one extra sbatch argument, verbatim (repeat: --sbatch-arg=--requeue)"),
 }
-SUBMIT = {
-    "nproc_per_node": LAUNCH["nproc_per_node"],
-    **SLURM,
-    **{name: (LAUNCH | HOSTS)[name] for name in ("python", "max_restarts", "resume", "overwrite")},
-}
-CHECK_HOSTS = {
-    **{name: HOSTS[name] for name in ("ssh_config", "ssh_options", "python")},
-    **{name: LAUNCH[name] for name in ("nproc_per_node", "master_addr")},
-    "master_port": (N, "node 0's rendezvous port to prove (default: 29500)"),
-}
+HOSTS = ["hosts", "ssh_config", "ssh_options", "python", "remote_run_dir"]
+SLURM = ["partition", "time", "account", "gpus_per_node", "sbatch_args"]
+LAUNCH = [name for name in OPTIONS if name not in HOSTS + SLURM]
+SUBMIT = ["nproc_per_node", *SLURM, "python", "max_restarts", "resume", "overwrite"]
+CHECK_HOSTS = [
+    "ssh_config",
+    "ssh_options",
+    "python",
+    "nproc_per_node",
+    "master_addr",
+    "master_port",
+]
 
 
 def _flags(name: str) -> tuple[str, ...]:
     return FLAGS.get(name, ("--" + name.replace("_", "-"),))
 
 
-def _options(group, table: dict) -> None:
-    for name, (kind, help_) in table.items():
+def _options(group, names: list[str], **override: tuple) -> None:
+    for name in names:
+        kind, help_ = (OPTIONS | override)[name]
         group.add_argument(*_flags(name), dest=name, default=argparse.SUPPRESS, help=help_, **kind)
 
 
-def _given(args: argparse.Namespace, table: dict) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in table if hasattr(args, name)}
+def _given(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def launch_options(parser: argparse.ArgumentParser) -> None:
@@ -167,15 +170,12 @@ def launch_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _launch_kwargs(args: argparse.Namespace, default_nnodes: int | None = None) -> dict:
-    kwargs = _given(args, LAUNCH | HOSTS)
+    kwargs = _given(args, LAUNCH + HOSTS)
     if "env" in kwargs:
-        env = {}
-        for item in kwargs["env"]:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise ConfigError(f"--env takes KEY=VALUE, got {item!r}.")
-            env[key] = value
-        kwargs["env"] = env
+        pairs = [item.partition("=") for item in kwargs["env"]]
+        if bad := [k + sep + v for k, sep, v in pairs if not sep or not k]:
+            raise ConfigError(f"--env takes KEY=VALUE, got {bad[0]!r}.")
+        kwargs["env"] = {key: value for key, _, value in pairs}
     if default_nnodes and "nnodes" not in kwargs and not kwargs.get("hosts"):
         kwargs["nnodes"] = default_nnodes
     return kwargs
@@ -226,11 +226,13 @@ def _parser() -> argparse.ArgumentParser:
     _config_options(submit)
     check = _command(sub, "check-hosts", _check_hosts)
     check.add_argument("--hosts", required=True, **HOST_LIST)
-    _options(check, CHECK_HOSTS)
+    _options(
+        check, CHECK_HOSTS, master_port=(N, "node 0's rendezvous port to prove (default: 29500)")
+    )
     check.add_argument(
         "--data", help="also check this dataset (the tutorial worker's) on each host"
     )
-    _sweep_parser(_command(sub, "sweep", _sweep, usage=SWEEP_USAGE))
+    _sweep_parser(_command(sub, "sweep", _sweep))
     _command(sub, "attach", _attach).add_argument("run_dir")
     slurm = _command(sub, "slurm", _slurm)
     slurm.add_argument("--run-dir", required=True)
@@ -263,10 +265,8 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS")
 
 
-SWEEP_USAGE = "ddpnb sweep NOTEBOOK --out DIR [-p NAME VALUE]... [-g NAME V1,V2]..."
-
-
 def _sweep_parser(p: argparse.ArgumentParser) -> None:
+    p.usage = "ddpnb sweep NOTEBOOK --out DIR [-p NAME VALUE]... [-g NAME V1,V2]..."
     p.add_argument("notebook", metavar="NOTEBOOK", help="the notebook (.ipynb) to run")
     p.add_argument("--out", required=True, metavar="DIR", help="where everything goes")
     pairs = {"nargs": 2, "action": "append", "default": []}
@@ -354,9 +354,8 @@ class _StopSignals:
     def __enter__(self) -> _StopSignals:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
-        for name in ("SIGTERM", "SIGHUP"):
-            sig = getattr(signal, name, None)
-            if sig is None or signal.getsignal(sig) is signal.SIG_IGN:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_IGN:
                 continue  # e.g. nohup: an ignored SIGHUP stays ignored
             try:
                 self.previous[sig] = signal.signal(sig, self._handle)
@@ -371,46 +370,42 @@ class _StopSignals:
             raise StoppedBySignal(self.received) from exc  # e.g. a write to a closed terminal
 
 
-# Each command returns the exit status; those that start processes stop them all on a signal.
+# Each command returns its exit status (None: 0); those that start processes stop them all on a
+# signal.
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace) -> None:
     config = train_config(args)
     with _StopSignals():
         job = launch(config, args.run_dir, progress="text", **_launch_kwargs(args, 1))
     print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
-    return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> None:
     script = Script(args.script, args.script_args, args.file, args.max_copy_mb)
     run_dir = args.run_dir or str(Path("runs") / Path(args.script).stem)
     kwargs = _launch_kwargs(args)
-    if not args.slurm:
-        with _StopSignals():
-            job = launch(script, run_dir, progress="text", **kwargs)
-        print(f"run directory: {job.run_dir}")
-        return 0
-    local = ("hosts", "ssh_config", "remote_run_dir", "master_addr", "master_port", "ssh_options")
-    given = [name for name in local if name in kwargs]
-    if given:
-        raise ConfigError(
-            f"{_flags(given[0])[0]} does not apply with --slurm: Slurm picks the nodes "
-            "and the first one hosts the rendezvous."
-        )
-    nnodes = kwargs.pop("nnodes", None) or 2
-    return _slurm_job(script, run_dir, nnodes, args.detach, kwargs | _given(args, SLURM))
+    if args.slurm:
+        local = "hosts ssh_config remote_run_dir master_addr master_port ssh_options".split()
+        if given := [name for name in local if name in kwargs]:
+            raise ConfigError(
+                f"{_flags(given[0])[0]} does not apply with --slurm: Slurm picks the nodes "
+                "and the first one hosts the rendezvous."
+            )
+        nnodes = kwargs.pop("nnodes", None) or 2
+        return _slurm_job(script, run_dir, nnodes, args.detach, kwargs | _given(args, SLURM))
+    with _StopSignals():
+        job = launch(script, run_dir, progress="text", **kwargs)
+    print(f"run directory: {job.run_dir}")
 
 
-def _submit(args: argparse.Namespace) -> int:
+def _submit(args: argparse.Namespace) -> None:
     config = train_config(args)
-    return _slurm_job(config, args.run_dir, args.nnodes, args.detach, _given(args, SUBMIT))
+    _slurm_job(config, args.run_dir, args.nnodes, args.detach, _given(args, SUBMIT))
 
 
-def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) -> int:
+def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) -> None:
     """``submit`` and ``run --slurm``: submit_slurm(), followed as text unless detached."""
-    from .slurm import submit_slurm
-
     with _StopSignals():  # Ctrl-C, SIGTERM and SIGHUP cancel the job
         job = submit_slurm(what, run_dir, nnodes, wait=not detach, progress="text", **keywords)
     if detach:
@@ -420,21 +415,15 @@ def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) ->
         )
     else:
         print(f"run directory: {job.run_dir}")
-    return 0
 
 
-def _attach(args: argparse.Namespace) -> int:
-    from .slurm import attach
-
+def _attach(args: argparse.Namespace) -> None:
     with _StopSignals():
         job = attach(args.run_dir, progress="text")
     print(f"metrics: {job.run_dir / 'metrics.jsonl'}")
-    return 0
 
 
-def _check_hosts(args: argparse.Namespace) -> int:
-    from .remote import check_hosts
-
+def _check_hosts(args: argparse.Namespace) -> int | None:
     config = TrainConfig(data_dir=args.data) if args.data else None
     try:
         rows = check_hosts(config, args.hosts, **_given(args, CHECK_HOSTS))
@@ -444,12 +433,9 @@ def _check_hosts(args: argparse.Namespace) -> int:
     print(rows)
     text = rows.network.table()
     print(text[text.index("node 0 at") :])  # the interfaces chosen, and why
-    return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from .sweep import parse_axis, resolve_type, sweep
-
     parameters = {name: resolve_type(value) for name, value in args.parameters}
     grid: dict[str, list] = {}
     for name, text in args.grid:
@@ -465,48 +451,39 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _prep(args: argparse.Namespace) -> int:
+def _prep(args: argparse.Namespace) -> None:
     root = prepare_digits(args.out, args.image_size, args.val_fraction, args.seed, args.overwrite)
     inspect_dataset(root)
-    return 0
 
 
 def _check(args: argparse.Namespace) -> int:
     return 0 if inspect_dataset(args.dir).ok else 1
 
 
-def _stacks(args: argparse.Namespace) -> int:
+def _stacks(args: argparse.Namespace) -> None:
     print(stacks(args.run_dir))
-    return 0
 
 
-def _plot(args: argparse.Namespace) -> int:
+def _plot(args: argparse.Namespace) -> None:
     from .plot import plot_curves
 
     plot_curves(args.run_dirs).savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
-    return 0
 
 
-def _commands(args: argparse.Namespace) -> int:
-    config = _run_config(args.run_dir)
+def _commands(args: argparse.Namespace) -> None:
+    nodes = (args.hosts, args.nproc_per_node, args.master_port)
     options = {"rendezvous": args.rendezvous, "node_rank": args.node_rank}
-    lines = node_commands(
-        config, args.run_dir, args.hosts, args.nproc_per_node, args.master_port, **options
-    )
+    lines = node_commands(_run_config(args.run_dir), args.run_dir, *nodes, **options)
     shown = args.hosts if args.node_rank is None else [args.hosts[args.node_rank]]
     print(format_node_commands(shown, lines))
-    return 0
 
 
-def _slurm(args: argparse.Namespace) -> int:
-    from .slurm import slurm_script
-
-    config = _run_config(args.run_dir)
+def _slurm(args: argparse.Namespace) -> None:
     nodes = (args.nnodes, args.nproc_per_node, args.master_port)
+    config = _run_config(args.run_dir)
     slurm_script(config, args.run_dir, *nodes, gpus_per_node=args.gpus_per_node, path=args.out)
     print(f"wrote {args.out}; submit with: sbatch {args.out}")
-    return 0
 
 
 def _run_config(run_dir: str) -> TrainConfig:
@@ -527,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130
     args = _parser().parse_args(argv)
     try:
-        return args.handler(args)
+        return args.handler(args) or 0
     except DdpnbError as e:
         print(f"ddpnb {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -100,9 +100,9 @@ def worker_errors(
         for folder in (Path(run_dir) / "logs" / f"node-{node}").glob("*/attempt_*/*"):
             if not folder.name.isdigit():
                 continue
-            found = [(p, read(p)) for p, read in ((folder / "error.json", read_error_file),
-                     (folder / "stderr.log", stderr_traceback))]  # fmt: skip
-            path, info = next(((p, i) for p, i in found if i), (None, None))
+            path, info = folder / "error.json", read_error_file(folder / "error.json")
+            if info is None:
+                path, info = folder / "stderr.log", stderr_traceback(folder / "stderr.log")
             if info is None or path.stat().st_mtime < since - 1:
                 continue
             local = int(folder.name)
@@ -124,14 +124,15 @@ def resume_hint(run_dir: Path) -> str:
     )
 
 
-def missing_nodes_hint(topology: Topology, local_nodes: Sequence[int]) -> str:
-    missing = [n for n in range(topology.nnodes) if n not in local_nodes]
-    if not missing:
-        return ""
-    return (
-        f" Nodes {missing} are not started by this launch: run their commands "
-        "(ddpnb.node_commands) on their hosts."
-    )
+def _rendezvous_timeout(t: Topology, nodes: Sequence[int], how: str, end: str = "", **kw):
+    """A RendezvousTimeout: ``how`` the rendezvous failed, and the nodes this launch lacks."""
+    text = f"The rendezvous at {t.master_addr}:{t.master_port} {how}: not all {t.nnodes} nodes "
+    text += "joined."
+    if missing := [n for n in range(t.nnodes) if n not in nodes]:
+        text += f" Nodes {missing} are not started by this launch: run their commands "
+        text += "(ddpnb.node_commands) on their hosts."
+    text += " Check that every node can reach master_addr:master_port and uses the same nnodes."
+    return RendezvousTimeout(text + end, **kw)
 
 
 def check_stalled(
@@ -149,13 +150,8 @@ def check_stalled(
         limit = topology.rdzv_timeout + GRACE_SECONDS
         if now - started_at <= limit:
             return None
-        return RendezvousTimeout(
-            f"The rendezvous at {topology.master_addr}:{topology.master_port} did not complete "
-            f"within {limit} s: not all {topology.nnodes} nodes joined."
-            f"{missing_nodes_hint(topology, local_nodes)} Check that every node can reach "
-            "master_addr:master_port and uses the same --nnodes.",
-            log_tail=log_tail(run_dir, 0),
-        )
+        how = f"did not complete within {limit} s"
+        return _rendezvous_timeout(topology, local_nodes, how, log_tail=log_tail(run_dir, 0))
     quiet = now - progress.get("time", now)
     limit = timeout_seconds + GRACE_SECONDS
     if progress.get("phase") == "done" or quiet <= limit:
@@ -247,14 +243,10 @@ def diagnose_failure(
     joined = re.search(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+)", tail)
     if joined or "RendezvousTimeoutError" in tail:
         counted = f" ({joined.group(1)} of {joined.group(2)} nodes joined)" if joined else ""
-        return RendezvousTimeout(
-            f"The rendezvous at {topology.master_addr}:{topology.master_port} timed out after "
-            f"{topology.rdzv_timeout} s{counted}: not all {topology.nnodes} nodes joined."
-            f"{missing_nodes_hint(topology, local_nodes)} Check that every node can reach "
-            "master_addr:master_port and uses the same nnodes. The other nodes were stopped.",
-            node_rank=node,
-            exit_code=failed[node],
-            log_tail=log_tail(run_dir, node, 5),
+        how = f"timed out after {topology.rdzv_timeout} s{counted}"
+        kw = {"node_rank": node, "exit_code": failed[node], "log_tail": log_tail(run_dir, node, 5)}
+        return _rendezvous_timeout(
+            topology, local_nodes, how, " The other nodes were stopped.", **kw
         )
     first = next(iter(failed_ranks(run_dir, node, 200)), {})
     rank, exit_code = first.get("rank"), first.get("exit_code", failed[node])

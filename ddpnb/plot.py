@@ -13,18 +13,15 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormat
 from .tables import RunLike, _labelled, rank_table, scaling_table
 
 
-def _runs(runs, labels) -> list:
-    """(label, RunMetrics) of one run or several; the default label names the world size."""
+def _runs(runs, labels) -> list:  # (label, RunMetrics); the default label: the world size
     return _labelled(runs, labels, lambda m: m.label)
 
 
 def label_log_axis(ax: Axes) -> None:
     """Label a log-scale y axis at 1, 2 and 5 of each decade, as plain numbers (0.5, 2, 20).
 
-    Matplotlib labels only the powers of ten, so a loss curve near 2 would sit between the
-    labels 1 and 10 with nothing to read it by. Over many decades fewer labels are used;
-    within less than one decade, every multiple and 1.5 (0.06, 0.07, ... 0.1, 0.15, 0.2).
-    Call it after plotting: it reads the axis's limits.
+    Matplotlib labels only the powers of ten. Over many decades fewer labels are used; within
+    one, every multiple and 1.5. Call it after plotting: it reads the axis's limits.
     """
     low, high = ax.get_ylim()
     decades = math.log10(high / low) if low > 0 and high > low else 0.0
@@ -39,8 +36,7 @@ def label_log_axis(ax: Axes) -> None:
 def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None = None) -> Figure:
     """Loss and accuracy per epoch (train dashed, val solid) for one or more runs.
 
-    Epochs that followed a torchrun restart are marked with a red ``x``. A script's run
-    draws the numbers it reported (``ddpnb_reporting.epoch``); the rest stay empty.
+    Epochs after a torchrun restart get a red ``x``. A script's run draws what it reported.
     """
     # Figure() rather than pyplot: no global state, no GUI backend, safe in threads.
     fig = Figure(figsize=(10, 4), layout="constrained")
@@ -104,16 +100,13 @@ def plot_throughput(
 def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None = None) -> Figure:
     """Throughput and scaling efficiency per run, and where each rank's epoch time goes.
 
-    Left: images/s of the last epoch, annotated with the efficiency against the first
-    run (the efficiency is ``images/s / first run's images/s``: the simulated nodes share
-    one host's cores, so the ideal is to lose nothing). Right: each rank's last-epoch
-    seconds split into data wait, compute and communication that backward had to wait for.
+    Left: :func:`~ddpnb.tables.scaling_table`'s images/s and efficiency. Right: each rank's
+    last-epoch seconds split into data wait, compute and communication backward waited for.
     """
     runs = _runs(runs, labels)
     labels = [label for label, _ in runs]
     fig = Figure(figsize=(11, 4), layout="constrained")
     ax_ips, ax_split = fig.subplots(1, 2, width_ratios=[1, 1.6])
-    # The numbers of report.scaling_table, so the plot and the printed table agree.
     for i, row in enumerate(scaling_table([m for _, m in runs], labels)):
         ips = row["images/s"]
         ax_ips.bar(i, ips, color=f"C{i}")
@@ -146,11 +139,8 @@ def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None
 
 
 def plot_class_counts(data) -> Figure:
-    """Grouped bars: images per class in ``train`` and ``val``.
-
-    ``data`` is a dataset folder or the :class:`~ddpnb.data.DatasetSummary` that
-    :func:`ddpnb.inspect_dataset` returned (then nothing is read again).
-    """
+    """Grouped bars: images per class in ``train`` and ``val`` of a dataset folder or a
+    :class:`~ddpnb.data.DatasetSummary` (then nothing is read again)."""
     from .data import DatasetSummary, inspect_dataset
 
     if not isinstance(data, DatasetSummary):
@@ -174,8 +164,7 @@ def plot_class_counts(data) -> Figure:
 def plot_samples(
     data_dir: str | os.PathLike, split: str = "train", per_class: int = 2, max_classes: int = 10
 ) -> Figure:
-    """A grid of images read straight from the files: a column per class (the first
-    ``max_classes``), the first ``per_class`` images of each, in sorted file order."""
+    """A grid of images from the files: the first ``per_class`` of each of ``max_classes``."""
     from PIL import Image
 
     from .constants import IMAGE_EXTENSIONS

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import csv
 import hashlib
-import html
 import io
 import itertools
 import json
@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .metrics import load_metrics, read_json
-from .tables import Table, _cell
+from .tables import Table
 
 #: Notebook parameters that name where runs are written: pointed inside ``DIR/<point>/``.
 RUN_DIR_PARAMETERS = ("run_dir", "run_root")
@@ -35,14 +35,13 @@ MAX_NAME = 100  # characters of a point's name (file names stay well under 255 b
 
 
 def resolve_type(text: str) -> Any:
-    """A ``-p`` value as papermill's CLI reads it (with papermill's own function).
-
-    >>> [resolve_type(t) for t in ("32", "0.1", "None", "True", "resnet18")]
-    [32, 0.1, None, True, 'resnet18']
-    """
-    from papermill.cli import _resolve_type
-
-    return _resolve_type(text)
+    """A ``-p`` value as papermill's CLI reads it: True, False, None, an int, a float, or text."""
+    if text in ("True", "False", "None"):
+        return ast.literal_eval(text)
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return kind(text)
+    return text
 
 
 def parse_axis(name: str, text: str) -> list[Any]:
@@ -62,9 +61,7 @@ def parse_axis(name: str, text: str) -> list[Any]:
 
 
 def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if value is None or isinstance(value, (bool, int, float)):
+    if value is None or isinstance(value, (str, bool, int, float)):
         return str(value)
     return json.dumps(value, default=str, separators=(",", ":"))
 
@@ -79,11 +76,7 @@ def _safe(text: str) -> str:
 
 
 def point_names(points: Sequence[Mapping[str, Any]], default: str) -> list[str]:
-    """A readable, file-system-safe, distinct name per point (``default`` without a grid).
-
-    >>> point_names([{"batch_size": 32, "data_dir": "/data/a b"}], "nb")
-    ['batch_size=32,data_dir=_data_a_b']
-    """
+    """A readable, file-system-safe, distinct name per point (``default`` without a grid)."""
     raw = [",".join(f"{k}={_text(v)}" for k, v in p.items()) or default for p in points]
     names = [_safe(r) for r in raw]
     for i, name in enumerate(names):
@@ -104,15 +97,10 @@ class Point:
     def run_dirs(self) -> list[Path]:
         """The run directories (with a ``metrics.jsonl``) of ``run_dir`` or ``run_root``."""
         found = []
-        for name in RUN_DIR_PARAMETERS:
+        for name, pattern in zip(RUN_DIR_PARAMETERS, ("metrics.jsonl", "*/metrics.jsonl")):
             value = self.parameters.get(name)
-            if not isinstance(value, str) or not value:
-                continue
-            path = self.cwd / value
-            if name == "run_dir":
-                found += [path] if (path / "metrics.jsonl").is_file() else []
-            elif path.is_dir():
-                found += sorted(p for p in path.iterdir() if (p / "metrics.jsonl").is_file())
+            if isinstance(value, str) and value:
+                found += sorted(m.parent for m in (self.cwd / value).glob(pattern) if m.is_file())
         return found
 
     def final(self) -> dict:
@@ -147,12 +135,10 @@ def notebook_parameters(notebook: Path) -> dict[str, Any]:
         found = papermill.inspect_notebook(str(notebook))
     except Exception as e:  # not JSON, not a notebook, no kernelspec papermill knows
         raise ConfigError(f"Cannot read notebook {notebook}: {e}. Give a Jupyter notebook.") from e
-    defaults = {}
+    defaults = dict.fromkeys(found)
     for name, info in found.items():
-        try:
+        with contextlib.suppress(ValueError, SyntaxError):
             defaults[name] = ast.literal_eval(info.get("default") or "None")
-        except (ValueError, SyntaxError):
-            defaults[name] = None
     return defaults
 
 
@@ -215,7 +201,7 @@ def plan(
         k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in parameters.items()
     }
     combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-    points = []
+    points, seen = [], {}  # seen: (parameter, run directory) -> the point writing it
     for name, values in zip(point_names(combos, _safe(notebook.stem)), combos):
         given = {**parameters, **values}
         for param in RUN_DIR_PARAMETERS:  # each point's runs inside its own folder
@@ -223,41 +209,40 @@ def plan(
                 default = known[param]
                 leaf = Path(default).name if isinstance(default, str) and default else "run"
                 given[param] = str(out_dir / name / leaf)
+            if isinstance(value := given.get(param), str):
+                key = (param, (cwd / value).resolve())
+                if key in seen:
+                    raise ConfigError(
+                        f"Points {seen[key]} and {name} would both write {param}={value!r} "
+                        f"and overwrite each other: leave {param} out (each point's run then goes "
+                        f"into its own folder under the sweep's output folder), or make it a "
+                        "grid axis with one value per point."
+                    )
+                seen[key] = name
         points.append(Point(name, values, given, out_dir, cwd))
-    _check_run_dirs_apart(points)
     return points
 
 
-def _check_run_dirs_apart(points: list[Point]) -> None:
-    """Two points writing one run directory would overwrite each other."""
-    seen: dict[tuple[str, Path], str] = {}
-    for point in points:
-        for param in RUN_DIR_PARAMETERS:
-            value = point.parameters.get(param)
-            if not isinstance(value, str):
-                continue
-            key = (param, (point.cwd / value).resolve())
-            if key in seen:
-                raise ConfigError(
-                    f"Points {seen[key]} and {point.name} would both write {param}={value!r} "
-                    f"and overwrite each other: leave {param} out (each point's run then goes "
-                    f"into its own folder under the sweep's output folder), or make it a grid "
-                    "axis with one value per point."
-                )
-            seen[key] = point.name
-
-
 def _check_existing(points: list[Point], notebook: Path) -> None:
-    """Nothing a user produced is replaced (without ``overwrite``)."""
+    """Nothing a user produced is replaced, no point redone otherwise (without ``overwrite``)."""
     for point in points:
-        record = point.record()
-        taken = [p for p in (point.notebook, point.folder) if p.exists()]
-        if not record and taken:
-            raise ConfigError(
-                f"{taken[0]} exists and was not written by a sweep: move it, choose another "
-                "output folder, or pass overwrite=True (--overwrite) to replace it."
-            )
-        changed = _differences(record, notebook, point) if record else []
+        if not (record := point.record()):
+            if taken := [p for p in (point.notebook, point.folder) if p.exists()]:
+                raise ConfigError(
+                    f"{taken[0]} exists and was not written by a sweep: move it, choose another "
+                    "output folder, or pass overwrite=True (--overwrite) to replace it."
+                )
+            continue
+        changed = []
+        if record.get("notebook") != str(notebook):
+            changed.append(f"notebook {record.get('notebook')} then, {notebook} now")
+        # As they read back from a record: tuples become lists, paths text.
+        given = (record.get("parameters") or {}, point.parameters)
+        then, now = (json.loads(json.dumps(d, default=str)) for d in given)
+        for name in dict.fromkeys([*then, *now]):
+            if then.get(name, ...) != now.get(name, ...):
+                before, after = (repr(d[name]) if name in d else "unset" for d in (then, now))
+                changed.append(f"{name} {before} then, {after} now")
         if changed:
             raise ConfigError(
                 f"Point {point.name} in {point.notebook.parent} was run with other settings "
@@ -266,41 +251,13 @@ def _check_existing(points: list[Point], notebook: Path) -> None:
             )
 
 
-def _differences(record: dict, notebook: Path, point: Point) -> list[str]:
-    changed = []
-    if record.get("notebook") != str(notebook):
-        changed.append(f"notebook {record.get('notebook')} then, {notebook} now")
-    # As they read back from a record: tuples become lists, paths text.
-    given = (record.get("parameters") or {}, point.parameters)
-    then, now = (json.loads(json.dumps(d, default=str)) for d in given)
-    for name in dict.fromkeys([*then, *now]):
-        if then.get(name, ...) != now.get(name, ...):
-            before, after = (repr(d[name]) if name in d else "unset" for d in (then, now))
-            changed.append(f"{name} {before} then, {after} now")
-    return changed
-
-
-def _recording_kernel_manager(seen: list):
-    """ddpnb's IPC kernel manager, which also notes every kernel it manages in ``seen``."""
-    from .demo import ipc_kernel_manager
-
-    class Recording(ipc_kernel_manager()):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            seen.append(self)
-
-    return Recording
-
-
 def _signal_kernels(managers: list, sig: int, skip: set[int] = frozenset()) -> set[int]:
     """Signal the process group of each kernel started so far (each leads its own)."""
     groups = {getattr(getattr(km, "provisioner", None), "pgid", None) for km in managers}
     groups -= {None, 0, *skip}
     for pgid in groups:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
     return groups
 
 
@@ -308,17 +265,13 @@ def _stop_point(managers: list, finished: threading.Event, grace: float) -> None
     """Interrupt the kernel (a ddpnb run in it stops); kill it after ``grace`` s or a 2nd Ctrl-C."""
     interrupted: set[int] = set()
     deadline = time.monotonic() + grace
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         while not finished.is_set() and time.monotonic() < deadline:
             interrupted |= _signal_kernels(managers, signal.SIGINT, skip=interrupted)
             finished.wait(0.2)
-    except KeyboardInterrupt:
-        pass
     _signal_kernels(managers, signal.SIGKILL)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         finished.wait(2.0)  # papermill notices and writes the notebook as far as it ran
-    except KeyboardInterrupt:
-        pass
 
 
 def _first_line(error: BaseException) -> str:
@@ -329,15 +282,28 @@ def _first_line(error: BaseException) -> str:
     return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
 
 
-def _execute(point: Point, source: Path, timeout: float | None, kernel_name: str | None) -> str:
-    """Run the point's notebook in a thread (Ctrl-C reaches this one); ``""`` or the error."""
+def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: str | None) -> str:
+    """Run one point (its folder cleared first) in a thread, so that Ctrl-C reaches this one;
+    its record says how it went."""
     import papermill
 
-    managers: list = []
+    from .demo import ipc_kernel_manager
+
+    if point.folder.is_dir() and point.record():  # ours: a failed or redone point's runs
+        shutil.rmtree(point.folder)
+    point.folder.mkdir(parents=True, exist_ok=True)
+    base = {"notebook": str(source), "parameters": point.parameters}
+    point.write_record(status="running", **base)
+    managers: list = []  # every kernel manager the run creates
     outcome: list[BaseException] = []
     # An Event, not Thread.join: before Python 3.13 a join interrupted by Ctrl-C can mark
     # the thread as ended while it still runs (the bpo-45274 branch of _wait_for_tstate_lock).
     finished = threading.Event()
+
+    class Recording(ipc_kernel_manager()):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            managers.append(self)
 
     def run() -> None:
         try:
@@ -349,32 +315,22 @@ def _execute(point: Point, source: Path, timeout: float | None, kernel_name: str
                 execution_timeout=timeout,
                 cwd=str(point.cwd),
                 progress_bar=False,
-                kernel_manager_class=_recording_kernel_manager(managers),
+                kernel_manager_class=Recording,
             )
         except BaseException as e:  # noqa: BLE001 - reported in the table
             outcome.append(e)
         finally:
             finished.set()
 
-    threading.Thread(target=run, name=f"ddpnb-sweep {point.name}", daemon=True).start()
-    try:
-        finished.wait()
-    except KeyboardInterrupt:
-        _stop_point(managers, finished, INTERRUPT_GRACE)
-        raise
-    return _first_line(outcome[0]) if outcome else ""
-
-
-def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: str | None) -> str:
-    """Run one point (its folder cleared first), recording its state as it goes."""
-    if point.folder.is_dir() and point.record():  # ours: a failed or redone point's runs
-        shutil.rmtree(point.folder)
-    point.folder.mkdir(parents=True, exist_ok=True)
-    base = {"notebook": str(source), "parameters": point.parameters}
-    point.write_record(status="running", **base)
     start, status, error = time.monotonic(), "interrupted", "interrupted"
     try:  # Ctrl-C leaves the point interrupted
-        error = _execute(point, source, timeout, kernel_name)
+        threading.Thread(target=run, name=f"ddpnb-sweep {point.name}", daemon=True).start()
+        try:
+            finished.wait()
+        except KeyboardInterrupt:
+            _stop_point(managers, finished, INTERRUPT_GRACE)
+            raise
+        error = _first_line(outcome[0]) if outcome else ""
         status = "failed" if error else "done"
     finally:
         point.write_record(status=status, wall_s=time.monotonic() - start, error=error, **base)
@@ -394,12 +350,12 @@ class SweepResult(Table):
     def ok(self) -> bool:
         return all(row["status"] in ("done", "skipped") for row in self)
 
-    def shown(self) -> list[dict]:
-        keys = ["point", *self.axes, "status", "wall_s", *METRICS]
-        return [{k: row.get(k, "") for k in keys} for row in self]
+    def shown(self, *more: str) -> Table:
+        keys = ["point", *self.axes, "status", "wall_s", *METRICS, *more]
+        return Table({k: row.get(k, "") for k in keys} for row in self)
 
     def __str__(self) -> str:
-        lines = [str(Table(self.shown()))]
+        lines = [str(self.shown())]
         lines += [f"{r['point']}: {r['error']}" for r in self if r["status"] == "failed"]
         lines.append(f"table: {_shown(self.summary)}")
         if self.figure:
@@ -407,40 +363,22 @@ class SweepResult(Table):
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        rows = [{**shown, "error": row.get("error", "")} for shown, row in zip(self.shown(), self)]
-        cells = lambda r, tag: "".join(f"<{tag}>{html.escape(_cell(v))}</{tag}>" for v in r)
-        body = "".join(f"<tr>{cells(r.values(), 'td')}</tr>" for r in rows)
         fixed = ", ".join(f"{k}={_text(v)}" for k, v in self.fixed.items())
-        caption = html.escape(f"sweep in {self.out_dir}" + (f"; fixed: {fixed}" if fixed else ""))
-        return (
-            f"<table><caption>{caption}</caption><thead><tr>{cells(rows[0] if rows else [], 'th')}"
-            f"</tr></thead><tbody>{body}</tbody></table>"
-        )
+        caption = f"sweep in {self.out_dir}" + (f"; fixed: {fixed}" if fixed else "")
+        return self.shown("error").html(caption)
 
     def curves(self):
-        """Every point's curves in one matplotlib Figure; ``None`` while no run has metrics."""
-        return plot_points(self.runs)
+        """Every point's run curves in one Figure, labelled by point; ``None`` while none."""
+        from .plot import plot_curves
+
+        runs = [(name, path, len(paths)) for name, paths in self.runs.items() for path in paths]
+        labels = [name if n == 1 else f"{name}/{Path(path).name}" for name, path, n in runs]
+        return plot_curves([path for _, path, _ in runs], labels=labels) if runs else None
 
 
 def _shown(path: Path) -> str:
     """``path`` relative to the current folder when it lies below it."""
-    try:
-        return str(path.relative_to(os.getcwd()))
-    except ValueError:
-        return str(path)
-
-
-def plot_points(runs: Mapping[str, Sequence[Path]]):
-    """Every point's run curves in one Figure, labelled by point; ``None`` when there are none."""
-    from .plot import plot_curves
-
-    dirs = [path for paths in runs.values() for path in paths]
-    labels = [
-        name if len(paths) == 1 else f"{name}/{Path(path).name}"
-        for name, paths in runs.items()
-        for path in paths
-    ]
-    return plot_curves(dirs, labels=labels) if dirs else None
+    return str(path.relative_to(os.getcwd()) if path.is_relative_to(os.getcwd()) else path)
 
 
 def _row(point: Point, status: str) -> dict:
@@ -461,29 +399,20 @@ def _row(point: Point, status: str) -> dict:
     )
 
 
-def write_summary(rows: list[dict], path: Path) -> None:
-    """The rows as CSV, written atomically."""
+def _gather(points: list[Point], statuses: dict, grid: Mapping, fixed: Mapping, draw: bool = True):
+    """The table as it stands, written to summary.csv; with ``draw``, curves.png too."""
+    rows = [_row(p, statuses.get(p.name) or ("done" if p.is_done() else "not run")) for p in points]
+    out_dir = points[0].notebook.parent
     text = io.StringIO()
     writer = csv.DictWriter(text, list(dict.fromkeys(k for row in rows for k in row)))
     writer.writeheader()
     writer.writerows(rows)
-    _write(path, text.getvalue())
-
-
-def _gather(points: list[Point], statuses: dict[str, str], grid: Mapping, fixed: Mapping):
-    """The table as it stands, written to summary.csv (unreached points: "done" or "not run")."""
-    rows = [_row(p, statuses.get(p.name) or ("done" if p.is_done() else "not run")) for p in points]
-    out_dir = points[0].notebook.parent
-    write_summary(rows, out_dir / "summary.csv")
+    _write(out_dir / "summary.csv", text.getvalue())
     runs = {p.name: p.run_dirs() for p in points}
-    return SweepResult(rows, out_dir, list(grid), dict(fixed), runs)
-
-
-def _draw(result: SweepResult) -> SweepResult:
-    """curves.png: a pure function of the points' run directories."""
-    fig = result.curves()
+    result = SweepResult(rows, out_dir, list(grid), dict(fixed), runs)
+    fig = result.curves() if draw else None  # a pure function of the points' run directories
     if fig is not None:
-        result.figure = result.out_dir / "curves.png"
+        result.figure = out_dir / "curves.png"
         fig.savefig(result.figure, dpi=110)
     return result
 
@@ -524,10 +453,6 @@ def sweep(
 
     A failed point does not stop the others (``result.ok``); ``summary.csv`` is rewritten after
     each. ConfigError comes before anything runs; Ctrl-C stops the running point, keeps the rest.
-
-    >>> r = sweep("notebooks/02_single_node_baseline.ipynb", "runs/sweep",      # doctest: +SKIP
-    ...           grid={"batch_size": [32, 64]}, parameters={"epochs": 2})
-    >>> r.ok, r[0]["val_acc"]                                                    # doctest: +SKIP
     """
     points = plan(notebook, out_dir, grid, parameters, cwd)
     source = _absolute(notebook, points[0].cwd)
@@ -545,8 +470,8 @@ def sweep(
                 statuses[point.name] = _run_point(point, source, timeout, kernel_name)
             except KeyboardInterrupt:
                 statuses[point.name] = "interrupted"
-                _gather(points, statuses, grid, parameters)
+                _gather(points, statuses, grid, parameters, draw=False)
                 raise
         _say(point, i, len(points), statuses[point.name])
-        result = _draw(_gather(points, statuses, grid, parameters))
+        result = _gather(points, statuses, grid, parameters)
     return result

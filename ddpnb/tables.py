@@ -1,12 +1,11 @@
-"""Tables and summaries of finished runs: pure functions of run directories.
+"""Tables and summaries of finished runs: pure functions of run directories, without torch.
 
-The notebooks print these tables; the plots in :mod:`ddpnb.plot` draw from the same
-functions, so a number in a table and the bar that shows it come from one place. Nothing
-here imports torch.
+:mod:`ddpnb.plot` draws from the same functions, so a table and its plot agree.
 """
 
 from __future__ import annotations
 
+import html
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -23,29 +22,38 @@ RANK_KEYS = ("node_rank", "local_rank", "train_samples", "val_samples", "images_
 class Table(list):
     """A list of row dicts that prints as an aligned text table.
 
-    Example
-    -------
     >>> print(Table([{"layout": "1x1", "images/s": 310}, {"layout": "1x2", "images/s": 290}]))
     layout  images/s
     1x1          310
     1x2          290
     """
 
-    def __str__(self) -> str:
+    def _cells(self) -> list[list[str]]:  # the header, then each row's cells
         header = list(dict.fromkeys(k for row in self for k in row))
-        cells = [header] + [[_cell(row.get(k, "")) for k in header] for row in self]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+        return [header] + [[_cell(row.get(k, "")) for k in header] for row in self]
+
+    def __str__(self) -> str:
+        cells = self._cells()
+        widths = [max(map(len, column)) for column in zip(*cells)]
         # Numbers line up on the right, words (labels, hashes) on the left.
-        left = [any(isinstance(row.get(k), str) for row in self) for k in header]
-        return "\n".join(
-            "  ".join(
-                c.ljust(w) if lj else c.rjust(w) for c, w, lj in zip(row, widths, left)
-            ).rstrip()
+        left = [any(isinstance(row.get(k), str) for row in self) for k in cells[0]]
+        lines = (
+            "  ".join(c.ljust(w) if lj else c.rjust(w) for c, w, lj in zip(row, widths, left))
             for row in cells
         )
+        return "\n".join(line.rstrip() for line in lines)
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the table, not a list
         p.text(str(self))
+
+    def html(self, caption: str = "") -> str:
+        """The table as an HTML ``<table>``, with ``caption`` above it."""
+        (header, *rows), e = self._cells(), html.escape
+        cells = lambda values, tag: "".join(f"<{tag}>{e(v)}</{tag}>" for v in values)
+        head = f"<caption>{e(caption)}</caption>" if caption else ""
+        head += f"<thead><tr>{cells(header, 'th')}</tr></thead>"
+        body = "".join(f"<tr>{cells(row, 'td')}</tr>" for row in rows)
+        return f"<table>{head}<tbody>{body}</tbody></table>"
 
 
 def _cell(value) -> str:
@@ -64,8 +72,7 @@ def as_metrics(run: RunLike) -> RunMetrics:
 def _labelled(
     runs, labels: Sequence[str] | None = None, name: Callable = lambda m: m.run_dir.name
 ) -> list[tuple[str, RunMetrics]]:
-    """``(label, RunMetrics)`` pairs of one run, a sequence of runs or a ``{label: run}``
-    mapping; without ``labels``, ``name`` labels each run."""
+    """``(label, RunMetrics)`` of one run, several, or a ``{label: run}`` mapping."""
     if isinstance(runs, Mapping):
         return [(str(label), as_metrics(run)) for label, run in runs.items()]
     if isinstance(runs, (str, os.PathLike, RunMetrics)) or hasattr(runs, "run_dir"):
@@ -136,14 +143,6 @@ def scaling_table(
 
     ``efficiency`` is images/s over the first run's images/s; ``communication share``
     is the part of all ranks' last-epoch seconds spent waiting for gradients.
-    :func:`ddpnb.plot_scaling` draws these numbers.
-
-    Example
-    -------
-    >>> print(scaling_table({"1x1": "runs/scaling/1x1", "1x2": "runs/scaling/1x2"}))  # doctest: +SKIP
-    layout  world_size  images/s  efficiency  communication share  val_acc
-    1x1              1       310           1                 0.01   0.9694
-    1x2              2       252        0.81                 0.19   0.9667
     """
     labelled = _labelled(runs, labels)
     base = (labelled[0][1].final.get("images_per_second") if labelled else None) or 1.0
@@ -174,11 +173,7 @@ def same_weights(a: RunLike, b: RunLike) -> bool:
 
 
 def run_figures(run: RunLike | None, prefix: str = "") -> dict:
-    """A run's headline numbers: final val_acc and images/s, training seconds, epochs.
-
-    ``run=None`` (a run that is missing) gives the same keys with ``None`` values.
-    ``prefix`` goes in front of every key.
-    """
+    """A run's headline numbers, each key after ``prefix``; ``None`` values for ``run=None``."""
     keys = ("val_acc", "images_per_second", "train_seconds", "epochs", "world_size")
     if run is None:
         return {prefix + k: None for k in keys}
