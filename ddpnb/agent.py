@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from contextlib import suppress
 
 LIFELINE_ENV = "DDPNB_LIFELINE_FD"  # the read end of the launcher's pipe, in the agent
 LIFELINE_GRACE_SECONDS = 5.0
@@ -37,10 +38,8 @@ def loopback_bind_address(host: str) -> str | None:
     '127.0.0.1'
     """
     host = host.strip("[]")
-    try:
+    with suppress(ValueError):
         return host if ipaddress.ip_address(host).is_loopback else None
-    except ValueError:
-        pass
     if host.lower() in ("localhost", "localhost.localdomain") or host.endswith(".localhost"):
         return "127.0.0.1"  # RFC 6761: always loopback, whatever the resolver says
     try:
@@ -70,7 +69,7 @@ def loopback_master_addr(argv: list[str]) -> str | None:
     return None
 
 
-def watch_lifeline(fd: int, grace: float = LIFELINE_GRACE_SECONDS) -> threading.Thread:
+def watch_lifeline(fd: int, grace: float = LIFELINE_GRACE_SECONDS) -> None:
     """End this agent and its workers when the launcher's end of pipe ``fd`` closes.
 
     EOF comes however the launcher ends (even SIGKILL); ``grace``: seconds from SIGTERM to SIGKILL.
@@ -83,15 +82,11 @@ def watch_lifeline(fd: int, grace: float = LIFELINE_GRACE_SECONDS) -> threading.
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
         for pid in descendants(os.getpid()):
-            try:
+            with suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
         os._exit(143)
 
-    thread = threading.Thread(target=watch, name="ddpnb-lifeline", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=watch, name="ddpnb-lifeline", daemon=True).start()
 
 
 def descendants(pid: int) -> list[int]:
