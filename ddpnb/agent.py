@@ -118,13 +118,10 @@ def bind_store_to(host: str) -> None:
 
     def store(*args, **kwargs):
         # The C++ store binds every interface; handed a bound socket, it listens on that.
-        is_master = kwargs.get("is_master", args[3] if len(args) > 3 else False)
-        if is_master:
+        if kwargs.get("is_master", args[3] if len(args) > 3 else False):
+            port = args[1] if len(args) > 1 else kwargs["port"]
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, args[1] if len(args) > 1 else kwargs["port"]))
-            sock.listen(1024)
+            sock = socket.create_server((host, port), family=family, backlog=1024)  # SO_REUSEADDR
             _held.append(sock)
             kwargs["master_listen_fd"] = sock.fileno()
         return tcp_store(*args, **kwargs)

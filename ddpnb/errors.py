@@ -37,25 +37,20 @@ class LaunchError(DdpnbError):
 
 
 class HostError(LaunchError):
-    """A host cannot run the run (unreachable, login refused, no torch); ``host``: the first."""
+    """A host of the run cannot run it (unreachable, login refused, no torch, other data)."""
 
-    host: str | None = None
+    host: str | None = None  # the first such host as the user wrote it; the message names all
 
 
 class RunFailed(DdpnbError):
-    """A launched run ended without finishing: the base of the run failures below.
+    """A launched run ended without finishing: the base of the run failures below."""
 
-    ``host``: the failing node's host (None if unknown or local). ``node_rank``, ``global_rank``,
-    ``exit_code``: where the first failure happened, how it ended (None if unknown).
-    ``traceback``: the failing worker's traceback; ``log_tail``: the last lines of its node's log.
-    """
-
-    host: str | None = None
-    node_rank: int | None = None
+    host: str | None = None  # the failing node's host (None if unknown or local)
+    node_rank: int | None = None  # where the first failure happened (None if unknown)
     global_rank: int | None = None
-    exit_code: int | None = None
-    traceback = ""
-    log_tail = ""
+    exit_code: int | None = None  # how it ended (None if unknown)
+    traceback = ""  # the failing worker's traceback
+    log_tail = ""  # the last lines of its node's log
 
     def __init__(self, message: str, **fields: Any) -> None:
         super().__init__(message, **fields)
@@ -99,12 +94,9 @@ class RunStalled(RunFailed):
 
 
 class RunHung(RunFailed):
-    """No rank made progress for ``hang_timeout`` seconds, every one waiting in a collective.
+    """No rank made progress for ``hang_timeout`` seconds, every one waiting in a collective."""
 
-    ``stacks`` (a :class:`ddpnb.hang.Stacks`) holds where each rank waited: ``print(e.stacks)``.
-    """
-
-    stacks = None
+    stacks = None  # a ddpnb.hang.Stacks: where each rank waited (print(e.stacks))
 
     def __str__(self) -> str:
         text = super().__str__()
@@ -116,12 +108,9 @@ class NodeLost(RunFailed):
 
 
 class NetworkError(HostError):
-    """The hosts cannot reach node 0 or each other as a run needs (found before it starts).
+    """The hosts cannot reach node 0 or each other as a run needs (found before it starts)."""
 
-    ``report``: the :class:`ddpnb.network.NetworkReport` (``str(report)`` is its table).
-    """
-
-    report = None
+    report = None  # the ddpnb.network.NetworkReport (str(report) is its table)
 
 
 class SlurmError(LaunchError):
@@ -133,12 +122,10 @@ class SlurmRequestError(ConfigError):
 
 
 class SlurmJobEnded(RunFailed):
-    """Slurm ended the job before the run finished: time limit, node failure, cancelled.
+    """Slurm ended the job before the run finished: time limit, node failure, cancelled."""
 
-    ``state``: Slurm's job state (``TIMEOUT``, ``NODE_FAIL``, ``PREEMPTED``, ...); ``reason``: why.
-    """
-
-    state = reason = job_id = ""
+    state = ""  # Slurm's job state: TIMEOUT, NODE_FAIL, PREEMPTED, ...
+    reason = job_id = ""
 
 
 class RunDirNotShared(RunFailed):

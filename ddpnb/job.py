@@ -9,22 +9,20 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import re
+import subprocess
 import time
 import weakref
+from contextlib import suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
 from .errors import RunFailed, RunHung, RunInterrupted
 from .hang import Stacks, Verdict, read_ranks, stacks, verdict
 from .metrics import RunMetrics, load_metrics, read_progress
+from .plan import Plan
 from .progress import make_progress
 from .topology import Topology
-
-if TYPE_CHECKING:
-    import subprocess
-
-    from .plan import Plan
 
 POLL_SECONDS = 0.2
 WATCH_SECONDS = 1.0  # how often the hang watch reads the ranks' snapshots
@@ -204,12 +202,10 @@ class Job:
         return out
 
     def _worker_output(self, node: int) -> bool:
-        try:
-            with open(self.log_paths[node], "rb") as f:
-                f.seek(self._log_start[node])
-                return bool(WORKER_LINE.search(f.read()))
-        except OSError:
-            return False
+        with suppress(OSError), open(self.log_paths[node], "rb") as f:
+            f.seek(self._log_start[node])
+            return bool(WORKER_LINE.search(f.read()))
+        return False
 
     def last_line(self, node: int) -> str:
         """The node's last worker line (``[rankN] ...``); before any, torchrun's last line."""
@@ -228,11 +224,8 @@ class Job:
         return self.scheduler.pids()
 
     def node_steps(self) -> dict[int, int]:
-        """Optimizer steps per node so far (its first rank's)."""
-        out: dict[int, int] = {}
-        for r in self._ranks:
-            out.setdefault(r.node, r.steps)
-        return out
+        """Optimizer steps per node so far (its first rank's: reversed, it is written last)."""
+        return {r.node: r.steps for r in reversed(self._ranks)}
 
     def stacks(self) -> Stacks:
         """Where every rank is now: the user's line and what it waits in, torch's frames folded.
@@ -371,7 +364,6 @@ class Job:
 
 
 def _size(path: Path) -> int:
-    try:
+    with suppress(OSError):
         return path.stat().st_size
-    except OSError:
-        return 0
+    return 0
