@@ -66,15 +66,11 @@ def alive(pid: int) -> bool:
 _lifelines: set[int] = set()  # write ends, one per running job
 
 
-def close_lifeline(fd: int) -> None:
-    _lifelines.discard(fd)
-    with suppress(OSError):
-        os.close(fd)
-
-
 def _close_lifelines() -> None:  # in a forked child: no other process may keep a run alive
-    for fd in list(_lifelines):
-        close_lifeline(fd)
+    for fd in _lifelines:
+        with suppress(OSError):
+            os.close(fd)
+    _lifelines.clear()
 
 
 os.register_at_fork(after_in_child=_close_lifelines)
@@ -124,7 +120,9 @@ class Processes(Scheduler):
 
     def cut_lifeline(self) -> None:
         if self.lifeline is not None:
-            close_lifeline(self.lifeline)
+            _lifelines.discard(self.lifeline)
+            with suppress(OSError):
+                os.close(self.lifeline)
             self.lifeline = None
 
     def stop(self) -> None:
