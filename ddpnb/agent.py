@@ -92,9 +92,7 @@ def watch_lifeline(fd: int, grace: float = LIFELINE_GRACE_SECONDS) -> None:
 def descendants(pid: int) -> list[int]:
     """Processes below ``pid`` (Linux /proc; elsewhere the workers notice the agent is gone)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
+    for entry in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])

@@ -67,23 +67,21 @@ def check_model(config: TrainConfig) -> None:
             + (f", e.g. {', '.join(close)}" if close else ", e.g. resnet18 or resnet50")
             + " (see torchvision.models.list_models())."
         )
-    if config.weights is None:
-        return
     if config.weights == "DEFAULT":
         _check_default_weights_reachable(config.model)
-        return
-    path = Path(config.weights)
-    if not path.is_file():
-        raise ConfigError(
-            f"weights file {config.weights!r} does not exist. Pass the path of a saved state dict "
-            "(torch.save(model.state_dict(), path)), weights='DEFAULT', or weights=None."
-        )
-    from .worker import read_state_dict
+    elif config.weights is not None:
+        path = Path(config.weights)
+        if not path.is_file():
+            raise ConfigError(
+                f"weights file {config.weights!r} does not exist. Pass the path of a saved state "
+                "dict (torch.save(model.state_dict(), path)), weights='DEFAULT', or weights=None."
+            )
+        from .worker import read_state_dict
 
-    try:
-        read_state_dict(str(path))
-    except ValueError as e:
-        raise ConfigError(f"{e} Save it with torch.save(model.state_dict(), path).") from None
+        try:
+            read_state_dict(str(path))
+        except ValueError as e:
+            raise ConfigError(f"{e} Save it with torch.save(model.state_dict(), path).") from None
 
 
 def _check_default_weights_reachable(model: str) -> None:

@@ -18,9 +18,6 @@ class Topology:
     """``nnodes`` x ``nproc_per_node`` processes meeting at ``master_addr:master_port``.
 
     Both are None for a Slurm job: they are the job's, once it runs.
-
-    >>> Topology(nnodes=2, nproc_per_node=2, master_addr="127.0.0.1", master_port=29500).world_size
-    4
     """
 
     nnodes: int
@@ -57,10 +54,6 @@ class Topology:
         ``node_rank`` of None leaves that and ``local_addr`` to the environment (``PET_*``, as
         the sbatch script sets them). ``endpoint``: ``host:port``, possibly shell variables.
         ``log_dir`` "": the folder comes from the environment (``PET_LOG_DIR``).
-
-        >>> from ddpnb.script import Script
-        >>> Topology(1, 1, "127.0.0.1", 29500).command(["torchrun"], 0, Script("t.py"), "/r")[:2]
-        ['torchrun', '--nnodes=1']
         """
         endpoint = endpoint or f"{self.master_addr}:{self.master_port}"
         args = [*launcher, f"--nnodes={self.nnodes}"]
