@@ -330,10 +330,9 @@ class Job:
         self.waiting = found if found.kind != "ok" else None
         if found.kind != "hang" or self.on_hang != "stop":
             return None
+        # ddpnb's worker times out its own collectives: the diagnosis then names the node.
         if found.cause == "same" and self.config is not None:
-            return (
-                None  # ddpnb's worker times out its own collectives; the diagnosis names the node
-            )
+            return None
         return RunHung(
             f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' keeps it "
             f"waiting).{resume_hint(self.run_dir)}",
