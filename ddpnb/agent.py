@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from contextlib import suppress
 
 LIFELINE_ENV = "DDPNB_LIFELINE_FD"  # the read end of the launcher's pipe, in the agent
 LIFELINE_GRACE_SECONDS = 5.0
@@ -37,10 +38,8 @@ def loopback_bind_address(host: str) -> str | None:
     '127.0.0.1'
     """
     host = host.strip("[]")
-    try:
+    with suppress(ValueError):
         return host if ipaddress.ip_address(host).is_loopback else None
-    except ValueError:
-        pass
     if host.lower() in ("localhost", "localhost.localdomain") or host.endswith(".localhost"):
         return "127.0.0.1"  # RFC 6761: always loopback, whatever the resolver says
     try:
@@ -70,7 +69,7 @@ def loopback_master_addr(argv: list[str]) -> str | None:
     return None
 
 
-def watch_lifeline(fd: int, grace: float = LIFELINE_GRACE_SECONDS) -> threading.Thread:
+def watch_lifeline(fd: int, grace: float = LIFELINE_GRACE_SECONDS) -> None:
     """End this agent and its workers when the launcher's end of pipe ``fd`` closes.
 
     EOF comes however the launcher ends (even SIGKILL); ``grace``: seconds from SIGTERM to SIGKILL.
@@ -83,23 +82,17 @@ def watch_lifeline(fd: int, grace: float = LIFELINE_GRACE_SECONDS) -> threading.
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
         for pid in descendants(os.getpid()):
-            try:
+            with suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
         os._exit(143)
 
-    thread = threading.Thread(target=watch, name="ddpnb-lifeline", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=watch, name="ddpnb-lifeline", daemon=True).start()
 
 
 def descendants(pid: int) -> list[int]:
     """Processes below ``pid`` (Linux /proc; elsewhere the workers notice the agent is gone)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
+    for entry in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
@@ -123,13 +116,10 @@ def bind_store_to(host: str) -> None:
 
     def store(*args, **kwargs):
         # The C++ store binds every interface; handed a bound socket, it listens on that.
-        is_master = kwargs.get("is_master", args[3] if len(args) > 3 else False)
-        if is_master:
+        if kwargs.get("is_master", args[3] if len(args) > 3 else False):
+            port = args[1] if len(args) > 1 else kwargs["port"]
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, args[1] if len(args) > 1 else kwargs["port"]))
-            sock.listen(1024)
+            sock = socket.create_server((host, port), family=family, backlog=1024)  # SO_REUSEADDR
             _held.append(sock)
             kwargs["master_listen_fd"] = sock.fileno()
         return tcp_store(*args, **kwargs)

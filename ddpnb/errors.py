@@ -6,7 +6,14 @@ from typing import Any
 
 
 class DdpnbError(Exception):
-    """Base class of every error ddpnb raises on purpose."""
+    """Base class of every error ddpnb raises on purpose; keywords set the class's fields."""
+
+    def __init__(self, *args: Any, **fields: Any) -> None:
+        super().__init__(*args)
+        for name, value in fields.items():
+            if not hasattr(type(self), name):
+                raise TypeError(f"{type(self).__name__} has no field {name!r}")
+            setattr(self, name, value)
 
 
 class ConfigError(DdpnbError, ValueError):
@@ -30,47 +37,28 @@ class LaunchError(DdpnbError):
 
 
 class HostError(LaunchError):
-    """A host of the run cannot run it (unreachable, login refused, no torch, other data).
+    """A host of the run cannot run it (unreachable, login refused, no torch, other data)."""
 
-    ``host`` names the first such host as the user wrote it; the message names them all.
-    """
-
-    def __init__(self, message: str, *, host: str | None = None) -> None:
-        self.host = host
-        super().__init__(message)
+    host: str | None = None  # the first such host as the user wrote it; the message names all
 
 
 class RunFailed(DdpnbError):
-    """A launched run ended without finishing: the base of the run failures below.
+    """A launched run ended without finishing: the base of the run failures below."""
 
-    ``host``: the failing node's host (None if unknown or local). ``node_rank``, ``global_rank``,
-    ``exit_code``: where the first failure happened, how it ended (None if unknown).
-    ``traceback``: the failing worker's traceback; ``log_tail``: the last lines of its node's log.
-    """
+    host: str | None = None  # the failing node's host (None if unknown or local)
+    node_rank: int | None = None  # where the first failure happened (None if unknown)
+    global_rank: int | None = None
+    exit_code: int | None = None  # how it ended (None if unknown)
+    traceback = ""  # the failing worker's traceback
+    log_tail = ""  # the last lines of its node's log
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        host: str | None = None,
-        node_rank: int | None = None,
-        global_rank: int | None = None,
-        exit_code: int | None = None,
-        traceback: str = "",
-        log_tail: str = "",
-    ) -> None:
-        self.host = host
-        self.node_rank = node_rank
-        self.global_rank = global_rank
-        self.exit_code = exit_code
-        self.traceback = traceback
-        self.log_tail = log_tail
-        parts = [message]
-        if traceback:
-            parts.append("The failing worker's traceback follows:\n" + traceback.rstrip())
-        elif log_tail:
-            parts.append("The last lines of the node's log follow:\n" + log_tail.rstrip())
-        super().__init__("\n\n".join(parts))
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message, **fields)
+        if self.traceback:
+            message += "\n\nThe failing worker's traceback follows:\n" + self.traceback.rstrip()
+        elif self.log_tail:
+            message += "\n\nThe last lines of the node's log follow:\n" + self.log_tail.rstrip()
+        self.args = (message,)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -81,15 +69,13 @@ class RunInterrupted(KeyboardInterrupt):
 
     def __init__(self, run_dir, epochs_done: int) -> None:
         self.run_dir = run_dir
-        resume = (
-            f" {epochs_done} epoch(s) are recorded; launch it again with resume=True (CLI: "
-            "--resume) to continue from its checkpoint."
-            if epochs_done
-            else ""
-        )
-        super().__init__(
-            f"the run in {run_dir} was stopped; no process of it is left running.{resume}"
-        )
+        message = f"the run in {run_dir} was stopped; no process of it is left running."
+        if epochs_done:
+            message += (
+                f" {epochs_done} epoch(s) are recorded; launch it again with resume=True (CLI: "
+                "--resume) to continue from its checkpoint."
+            )
+        super().__init__(message)
 
     def _render_traceback_(self) -> list[str]:  # IPython shows these lines instead
         return [f"KeyboardInterrupt: {self}"]
@@ -108,14 +94,9 @@ class RunStalled(RunFailed):
 
 
 class RunHung(RunFailed):
-    """No rank made progress for ``hang_timeout`` seconds, every one waiting in a collective.
+    """No rank made progress for ``hang_timeout`` seconds, every one waiting in a collective."""
 
-    ``stacks`` (a :class:`ddpnb.hang.Stacks`) holds where each rank waited: ``print(e.stacks)``.
-    """
-
-    def __init__(self, message: str, *, stacks=None, **kw: Any) -> None:
-        self.stacks = stacks
-        super().__init__(message, **kw)
+    stacks = None  # a ddpnb.hang.Stacks: where each rank waited (print(e.stacks))
 
     def __str__(self) -> str:
         text = super().__str__()
@@ -123,21 +104,13 @@ class RunHung(RunFailed):
 
 
 class NodeLost(RunFailed):
-    """A node stopped answering (its agent killed, its host down, or the network cut).
-
-    ``node_rank`` names the node believed lost, or is ``None`` where it cannot be told.
-    """
+    """A node stopped answering (agent killed, host down, network cut); ``node_rank``: which."""
 
 
 class NetworkError(HostError):
-    """The hosts cannot reach node 0 or each other as a run needs (found before it starts).
+    """The hosts cannot reach node 0 or each other as a run needs (found before it starts)."""
 
-    ``report``: the :class:`ddpnb.network.NetworkReport` (``str(report)`` is its table).
-    """
-
-    def __init__(self, message: str, *, host: str | None = None, report=None) -> None:
-        self.report = report
-        super().__init__(message, host=host)
+    report = None  # the ddpnb.network.NetworkReport (str(report) is its table)
 
 
 class SlurmError(LaunchError):
@@ -149,16 +122,10 @@ class SlurmRequestError(ConfigError):
 
 
 class SlurmJobEnded(RunFailed):
-    """Slurm ended the job before the run finished: time limit, node failure, cancelled.
+    """Slurm ended the job before the run finished: time limit, node failure, cancelled."""
 
-    ``state``: Slurm's job state (``TIMEOUT``, ``NODE_FAIL``, ``PREEMPTED``, ...); ``reason``: why.
-    """
-
-    def __init__(self, message: str, *, state: str, reason: str, job_id: str, **kw: Any) -> None:
-        self.state = state
-        self.reason = reason
-        self.job_id = job_id
-        super().__init__(message, **kw)
+    state = ""  # Slurm's job state: TIMEOUT, NODE_FAIL, PREEMPTED, ...
+    reason = job_id = ""
 
 
 class RunDirNotShared(RunFailed):

@@ -9,22 +9,20 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import re
+import subprocess
 import time
 import weakref
+from contextlib import suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
 from .errors import RunFailed, RunHung, RunInterrupted
 from .hang import Stacks, Verdict, read_ranks, stacks, verdict
 from .metrics import RunMetrics, load_metrics, read_progress
+from .plan import Plan
 from .progress import make_progress
 from .topology import Topology
-
-if TYPE_CHECKING:
-    import subprocess
-
-    from .plan import Plan
 
 POLL_SECONDS = 0.2
 WATCH_SECONDS = 1.0  # how often the hang watch reads the ranks' snapshots
@@ -69,15 +67,12 @@ class Scheduler:
 
     def batch_log(self) -> Path | None:
         """The cluster's own log of the run (sbatch's output), or None."""
-        return None
 
     def pending(self) -> str | None:
         """Why the nodes have not started (a queue), or None."""
-        return None
 
     def since(self) -> float | None:
         """When the nodes of this attempt started (None: when the Job was created)."""
-        return None
 
     def sync(self) -> None:
         """Bring node 0's progress files here while the run goes on."""
@@ -136,7 +131,6 @@ class Job:
         self.started_at = started_at or time.time()
         self.ended_at: float | None = None
         self.error: BaseException | None = None
-        self._ended = False
         self.hang_timeout, self.on_hang = hang_timeout, on_hang
         self.waiting: Verdict | None = None
         self._watched = 0.0
@@ -208,12 +202,10 @@ class Job:
         return out
 
     def _worker_output(self, node: int) -> bool:
-        try:
-            with open(self.log_paths[node], "rb") as f:
-                f.seek(self._log_start[node])
-                return bool(WORKER_LINE.search(f.read()))
-        except OSError:
-            return False
+        with suppress(OSError), open(self.log_paths[node], "rb") as f:
+            f.seek(self._log_start[node])
+            return bool(WORKER_LINE.search(f.read()))
+        return False
 
     def last_line(self, node: int) -> str:
         """The node's last worker line (``[rankN] ...``); before any, torchrun's last line."""
@@ -232,11 +224,8 @@ class Job:
         return self.scheduler.pids()
 
     def node_steps(self) -> dict[int, int]:
-        """Optimizer steps per node so far (its first rank's)."""
-        out: dict[int, int] = {}
-        for r in self._ranks:
-            out.setdefault(r.node, r.steps)
-        return out
+        """Optimizer steps per node so far (its first rank's: reversed, it is written last)."""
+        return {r.node: r.steps for r in reversed(self._ranks)}
 
     def stacks(self) -> Stacks:
         """Where every rank is now: the user's line and what it waits in, torch's frames folded.
@@ -258,10 +247,9 @@ class Job:
         self._end()
 
     def _end(self) -> None:
-        self.ended_at = self.ended_at or time.time()
         _live_jobs.discard(self)
-        if not self._ended:
-            self._ended = True
+        if self.ended_at is None:
+            self.ended_at = time.time()
             self.scheduler.fetch()
 
     def wait(self, timeout: float | None = None) -> Job:
@@ -302,14 +290,16 @@ class Job:
         codes = self.returncodes
         failed = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
         if failed:
-            self.error = self._failure(failed)
+            time.sleep(0.5)  # give the other agents a moment to write their error files
+            self.scheduler.fetch()
+            error = diagnose_failure(
+                self.run_dir, self._met(), list(codes), failed, self.started_at
+            )
+            self.error = self.scheduler.explain(error, failed)
+        elif codes and all(rc == 0 for rc in codes.values()):
             return True
-        if codes and all(rc == 0 for rc in codes.values()):
-            return True
-        if self.scheduler.pending() is None:
-            self.error = self._watch_hang()
-        if self.error is None and self.scheduler.watch_stalls and self.scheduler.pending() is None:
-            self.error = self._check_stalled()
+        elif self.scheduler.pending() is None:
+            self.error = self._watch_hang() or self._check_stalled()
         return self.error is not None
 
     # -- failures ---------------------------------------------------------------------
@@ -322,61 +312,45 @@ class Job:
         self._watched = now
         self.scheduler.sync_stacks(False)
         ranks = self._ranks = read_ranks(self.run_dir, since=self.started_at)
-        live = [r.still for r in ranks if r.state == "running"]
+        live = [r for r in ranks if r.state == "running"]
+        self.waiting = None
         if not live:
-            self.waiting = None
             return None
-        quiet = min(min(live), now - self._quiet_floor())
-        found = verdict(ranks, quiet, self._hang_limit())
-        self.waiting = found if found.kind != "ok" else None
-        if found.kind != "hang" or self.on_hang != "stop":
-            return None
-        if found.cause == "same" and self.config is not None:
-            # ddpnb's worker times out its own collectives: the diagnosis then names the node.
-            return None
-        first = next(r for r in ranks if r.state == "running")
-        return RunHung(
-            f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' keeps it "
-            f"waiting).{resume_hint(self.run_dir)}",
-            stacks=Stacks(self.run_dir, ranks, found),
-            host=None if self.hosts is None else self.hosts[first.node],
-            node_rank=first.node,
-            global_rank=first.rank,
-        )
-
-    def _hang_limit(self) -> float:
-        """hang_timeout, for ddpnb's worker at most half its collective timeout: the hang is
-        named before gloo ends the run with a bare 'Timed out'."""
-        limit = self.hang_timeout or HANG_DEFAULT
-        if self.config is not None:
-            limit = min(limit, self.config.timeout_seconds / 2)
-        return limit
-
-    def _quiet_floor(self) -> float:
-        """When the run last printed a line or reported progress."""
+        # The quiet time: since the run last printed a line or reported progress.
         seen = (
             tuple(_size(p) for p in self.log_paths.values()),
             read_progress(self.run_dir).get("time"),
         )
         if seen != self._output:
-            self._output, self._output_moved = seen, time.time()
-        return self._output_moved
+            self._output, self._output_moved = seen, now
+        limit = self.hang_timeout
+        if self.config is not None:  # named before gloo ends the run with a bare 'Timed out'
+            limit = min(limit, self.config.timeout_seconds / 2)
+        found = verdict(ranks, min(*(r.still for r in live), now - self._output_moved), limit)
+        self.waiting = found if found.kind != "ok" else None
+        if found.kind != "hang" or self.on_hang != "stop":
+            return None
+        # ddpnb's worker times out its own collectives: the diagnosis then names the node.
+        if found.cause == "same" and self.config is not None:
+            return None
+        return RunHung(
+            f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' keeps it "
+            f"waiting).{resume_hint(self.run_dir)}",
+            stacks=Stacks(self.run_dir, ranks, found),
+            host=None if self.hosts is None else self.hosts[live[0].node],
+            node_rank=live[0].node,
+            global_rank=live[0].rank,
+        )
 
     def _check_stalled(self) -> RunFailed | None:
+        if not self.scheduler.watch_stalls:  # a queued job is silent while the cluster waits
+            return None
         if self.config is None and not read_progress(self.run_dir):
             return None  # a script that does not report: torchrun's own timeouts apply
         timeout = self.config.timeout_seconds if self.config is not None else 300
         return check_stalled(
             self.run_dir, self._met(), list(self.returncodes), self.started_at, timeout
         )
-
-    def _failure(self, failed: dict[int, int]) -> RunFailed:
-        time.sleep(0.5)  # give the other agents a moment to write their error files
-        self.scheduler.fetch()
-        error = diagnose_failure(
-            self.run_dir, self._met(), list(self.returncodes), failed, self.started_at
-        )
-        return self.scheduler.explain(error, failed)
 
     def _met(self) -> Topology:
         """The topology with where the nodes met, once a cluster named it."""
@@ -389,7 +363,6 @@ class Job:
 
 
 def _size(path: Path) -> int:
-    try:
+    with suppress(OSError):
         return path.stat().st_size
-    except OSError:
-        return 0
+    return 0

@@ -25,8 +25,6 @@ class Local(Processes):
     ``master_port`` None picks a free port; a given one must be free when node 0 runs here.
     """
 
-    data_here = True
-
     def __init__(
         self,
         nnodes: int,
@@ -54,9 +52,6 @@ class Local(Processes):
             nnodes, nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts
         )
         self.nnodes, self.nproc_per_node = nnodes, nproc_per_node
-
-    def check(self, plan: Plan) -> None:
-        pass  # the nodes and the port were checked when this scheduler was made
 
     def preflight(self, plan: Plan, run_dir: Path) -> Topology:
         return self.topology

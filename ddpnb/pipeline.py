@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -55,41 +56,24 @@ def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        try:
+    except OSError:  # no /proc (macOS)
+        with suppress(OSError):
             os.kill(pid, 0)
             return True
-        except OSError:
-            return False
+        return False
 
 
 _lifelines: set[int] = set()  # write ends, one per running job
-_fork_hook = False
 
 
-def open_lifeline() -> tuple[int, int]:
-    """A pipe (read, write) for the agents; a forked child closes its copies of the write ends,
-    so no other process can keep a run alive."""
-    global _fork_hook
-    if not _fork_hook:  # once per process: hooks cannot be removed, and would pile up
-        os.register_at_fork(after_in_child=_close_lifelines_in_child)
-        _fork_hook = True
-    read_fd, write_fd = os.pipe()
-    _lifelines.add(write_fd)
-    return read_fd, write_fd
+def _close_lifelines() -> None:  # in a forked child: no other process may keep a run alive
+    for fd in _lifelines:
+        with suppress(OSError):
+            os.close(fd)
+    _lifelines.clear()
 
 
-def _close_lifelines_in_child() -> None:
-    for fd in list(_lifelines):
-        close_lifeline(fd)
-
-
-def close_lifeline(fd: int) -> None:
-    _lifelines.discard(fd)
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+os.register_at_fork(after_in_child=_close_lifelines)
 
 
 class Processes(Scheduler):
@@ -102,7 +86,8 @@ class Processes(Scheduler):
 
     def spawn_all(self, run_dir: Path, program: str, commands: Callable[[int], dict]) -> None:
         """Start every node; ``commands(lifeline_fd)``: ``{node: (argv, shown, popen_kwargs)}``."""
-        lifeline_read, self.lifeline = open_lifeline()
+        lifeline_read, self.lifeline = os.pipe()
+        _lifelines.add(self.lifeline)
         try:
             for node, (cmd, shown, popen) in commands(lifeline_read).items():
                 with open(run_dir / "logs" / f"node-{node}.log", "ab") as out:
@@ -113,7 +98,8 @@ class Processes(Scheduler):
                     )
         except BaseException as e:  # an OSError, or Ctrl-C/SIGTERM before the Job exists
             for proc in self.procs.values():  # nothing to save yet: no grace
-                _signal_group(proc.pid, signal.SIGKILL)
+                with suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             self.cut_lifeline()
             if isinstance(e, OSError):
                 raise LaunchError(f"Could not start {program}: {e}") from e
@@ -134,36 +120,27 @@ class Processes(Scheduler):
 
     def cut_lifeline(self) -> None:
         if self.lifeline is not None:
-            close_lifeline(self.lifeline)
+            _lifelines.discard(self.lifeline)
+            with suppress(OSError):
+                os.close(self.lifeline)
             self.lifeline = None
 
     def stop(self) -> None:
         """SIGTERM every agent's group, SIGKILL what is left after a short grace."""
         self.pids()
         for proc in self.procs.values():
-            if proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGTERM)  # the agent forwards it to its workers
+            if proc.poll() is None:  # the agent forwards it to its workers
+                with suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         while time.monotonic() < deadline and any(alive(p) for p in self._known):
             for proc in self.procs.values():
                 proc.poll()  # reap agents so they stop counting as alive
             time.sleep(0.05)
-        for pid in self._known:
-            if alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        for pid in filter(alive, self._known):
+            with suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         for proc in self.procs.values():
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
         self.cut_lifeline()
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except OSError:
-        pass

@@ -97,17 +97,16 @@ class Plan:
         pythonpath: str | None = None,
     ) -> dict:
         """The run's variables for one node's agent (not this process's environment)."""
-        env = {
+        cfg = self.config
+        threads = (cfg.threads if cfg else 0) or threads_for_host(procs_on_host, cores)
+        return {
             RUN_DIR_ENV: node_dir,
             "DDPNB_PROCS_ON_HOST": str(procs_on_host),
             "PYTHONUNBUFFERED": "1",
             "DDPNB_LAUNCHED": "1",
+            "OMP_NUM_THREADS": str(threads),
+            **self.user_env(node_dir, pythonpath),
         }
-        cfg = self.config
-        threads = (cfg.threads if cfg else 0) or threads_for_host(procs_on_host, cores)
-        env["OMP_NUM_THREADS"] = str(threads)
-        env.update(self.user_env(node_dir, pythonpath))
-        return env
 
 
 def check_hang(hang_timeout: float | None, on_hang: str) -> tuple[float | None, str]:
@@ -117,11 +116,8 @@ def check_hang(hang_timeout: float | None, on_hang: str) -> tuple[float | None, 
             f"on_hang must be 'stop' (end the run with RunHung, naming every rank's line) or "
             f"'wait' (show the hang and keep waiting until you stop it), got {on_hang!r}."
         )
-    if hang_timeout is not None and (
-        isinstance(hang_timeout, bool)
-        or not isinstance(hang_timeout, (int, float))
-        or not hang_timeout > 0
-    ):
+    number = isinstance(hang_timeout, (int, float)) and not isinstance(hang_timeout, bool)
+    if hang_timeout is not None and not (number and hang_timeout > 0):
         raise ConfigError(
             f"hang_timeout must be a number of seconds > 0 (default {HANG_TIMEOUT:g}), or None to "
             f"turn the hang watch off, got {hang_timeout!r}."

@@ -14,11 +14,9 @@ from .config import TrainConfig, check_int
 from .data import require_valid_dataset
 from .errors import ConfigError, PortInUseError
 
-PROGRESS_MODES = ("auto", "widgets", "text", "none")
-
 
 def check_progress(progress: str) -> str:
-    if progress not in PROGRESS_MODES:
+    if progress not in ("auto", "widgets", "text", "none"):
         raise ConfigError("progress must be 'auto', 'widgets', 'text' or 'none'.")
     return progress
 
@@ -31,8 +29,14 @@ def check_run(config: TrainConfig, world_size: int, here: bool = True) -> TrainC
     data_dir = Path(config.data_dir)
     if here or data_dir.exists():
         data_dir = data_dir.resolve()
-        summary = require_valid_dataset(data_dir)
-        check_batch_size(config, summary.split_size("train"), world_size)
+        train_size = require_valid_dataset(data_dir).split_size("train")
+        shard = -(-train_size // world_size)
+        if config.batch_size > shard:
+            raise ConfigError(
+                f"batch_size={config.batch_size} per process is larger than each rank's shard of "
+                f"the train split ({train_size} images / world size {world_size} = {shard}). Use "
+                f"batch_size <= {shard}, or fewer processes."
+            )
     elif not data_dir.is_absolute():
         raise ConfigError(
             f"data_dir {config.data_dir!r} is not on this machine, so it must be an absolute "
@@ -63,23 +67,21 @@ def check_model(config: TrainConfig) -> None:
             + (f", e.g. {', '.join(close)}" if close else ", e.g. resnet18 or resnet50")
             + " (see torchvision.models.list_models())."
         )
-    if config.weights is None:
-        return
     if config.weights == "DEFAULT":
         _check_default_weights_reachable(config.model)
-        return
-    path = Path(config.weights)
-    if not path.is_file():
-        raise ConfigError(
-            f"weights file {config.weights!r} does not exist. Pass the path of a saved state dict "
-            "(torch.save(model.state_dict(), path)), weights='DEFAULT', or weights=None."
-        )
-    from .worker import read_state_dict
+    elif config.weights is not None:
+        path = Path(config.weights)
+        if not path.is_file():
+            raise ConfigError(
+                f"weights file {config.weights!r} does not exist. Pass the path of a saved state "
+                "dict (torch.save(model.state_dict(), path)), weights='DEFAULT', or weights=None."
+            )
+        from .worker import read_state_dict
 
-    try:
-        read_state_dict(str(path))
-    except ValueError as e:
-        raise ConfigError(f"{e} Save it with torch.save(model.state_dict(), path).") from None
+        try:
+            read_state_dict(str(path))
+        except ValueError as e:
+            raise ConfigError(f"{e} Save it with torch.save(model.state_dict(), path).") from None
 
 
 def _check_default_weights_reachable(model: str) -> None:
@@ -99,16 +101,6 @@ def _check_default_weights_reachable(model: str) -> None:
             f"({e}). Pass weights=None to train from scratch, or the path of a local state-dict "
             f"file (or place the file at {cached})."
         ) from None
-
-
-def check_batch_size(config: TrainConfig, train_size: int, world_size: int) -> None:
-    shard = -(-train_size // world_size)
-    if config.batch_size > shard:
-        raise ConfigError(
-            f"batch_size={config.batch_size} per process is larger than each rank's shard of the "
-            f"train split ({train_size} images / world size {world_size} = {shard}). Use "
-            f"batch_size <= {shard}, or fewer processes."
-        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:

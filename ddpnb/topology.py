@@ -18,9 +18,6 @@ class Topology:
     """``nnodes`` x ``nproc_per_node`` processes meeting at ``master_addr:master_port``.
 
     Both are None for a Slurm job: they are the job's, once it runs.
-
-    >>> Topology(nnodes=2, nproc_per_node=2, master_addr="127.0.0.1", master_port=29500).world_size
-    4
     """
 
     nnodes: int
@@ -39,19 +36,11 @@ class Topology:
         return self.nnodes * self.nproc_per_node
 
     def command(
-        self, launcher: Sequence[str], node_rank: int | None, script: Any, run_dir: str, **options
-    ) -> list[str]:
-        """One node's command line: ``launcher``, torchrun's options, the script and its arguments.
-
-        >>> from ddpnb.script import Script
-        >>> Topology(1, 1, "127.0.0.1", 29500).command(["torchrun"], 0, Script("t.py"), "/r")[:2]
-        ['torchrun', '--nnodes=1']
-        """
-        return [*launcher, *self.torchrun_args(node_rank, **options), *script.command(run_dir)]
-
-    def torchrun_args(
         self,
+        launcher: Sequence[str],
         node_rank: int | None,
+        script: Any,
+        run_dir: str,
         log_dir: str | None = None,
         *,
         rendezvous: str = "static",
@@ -59,20 +48,18 @@ class Topology:
         local_addr: str | None = None,
         endpoint: str | None = None,
     ) -> list[str]:
-        """torchrun's options for one node (node 0 hosts the rendezvous).
+        """One node's command line: ``launcher``, torchrun's options, the script and its arguments.
 
         ``c10d``: an elastic rendezvous named ``rdzv_id``, node 0 hosting the store; a
         ``node_rank`` of None leaves that and ``local_addr`` to the environment (``PET_*``, as
         the sbatch script sets them). ``endpoint``: ``host:port``, possibly shell variables.
-
-        >>> Topology(1, 1, "127.0.0.1", 29500).torchrun_args(0)[:2]
-        ['--nnodes=1', '--node_rank=0']
+        ``log_dir`` "": the folder comes from the environment (``PET_LOG_DIR``).
         """
         endpoint = endpoint or f"{self.master_addr}:{self.master_port}"
+        args = [*launcher, f"--nnodes={self.nnodes}"]
         if rendezvous == "static":
             addr, port = endpoint.rsplit(":", 1)
-            args = [
-                f"--nnodes={self.nnodes}",
+            args += [
                 f"--node_rank={node_rank}",
                 f"--nproc_per_node={self.nproc_per_node}",
                 f"--master_addr={addr}",
@@ -81,8 +68,7 @@ class Topology:
                 f"--rdzv_conf=timeout={self.rdzv_timeout}",
             ]
         elif rendezvous == "c10d":
-            args = [
-                f"--nnodes={self.nnodes}",
+            args += [
                 f"--nproc_per_node={self.nproc_per_node}",
                 "--rdzv_backend=c10d",
                 f"--rdzv_endpoint={endpoint}",
@@ -96,10 +82,10 @@ class Topology:
             args.append(f"--max_restarts={self.max_restarts}")
         else:
             raise ConfigError("rendezvous must be 'static' or 'c10d'.")
-        if log_dir is not None:  # "": the folder comes from the environment (PET_LOG_DIR)
+        if log_dir is not None:
             args += [f"--log_dir={log_dir}"] if log_dir else []
             args += ["--tee=3", "--log_line_prefix_template=[rank${rank}] "]
-        return args
+        return [*args, *script.command(run_dir)]
 
 
 def check_shape(nnodes: int, nproc_per_node: int, rdzv_timeout: int, max_restarts: int) -> None:
