@@ -7,6 +7,7 @@ agents' nodes when this process ends, however it ends.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -73,7 +74,9 @@ def _close_lifelines() -> None:  # in a forked child: no other process may keep 
     _lifelines.clear()
 
 
-os.register_at_fork(after_in_child=_close_lifelines)
+@functools.cache  # once per process, at its first launch (nothing happens on import)
+def _close_lifelines_in_children() -> None:
+    os.register_at_fork(after_in_child=_close_lifelines)
 
 
 class Processes(Scheduler):
@@ -86,6 +89,7 @@ class Processes(Scheduler):
 
     def spawn_all(self, run_dir: Path, program: str, commands: Callable[[int], dict]) -> None:
         """Start every node; ``commands(lifeline_fd)``: ``{node: (argv, shown, popen_kwargs)}``."""
+        _close_lifelines_in_children()
         lifeline_read, self.lifeline = os.pipe()
         _lifelines.add(self.lifeline)
         try:
