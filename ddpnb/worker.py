@@ -146,16 +146,19 @@ def join_process_group(backend: str, timeout_seconds: int, me: Rank, device: tor
     """Join the run's default process group (``dist.init_process_group``)."""
     # A collective that waits longer than this fails the run instead of hanging it.
     timeout = datetime.timedelta(seconds=timeout_seconds)
-    store = None  # None: the rendezvous at MASTER_ADDR:MASTER_PORT, from torchrun
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        store = attempt_store(me.restart_count, timeout)  # Part 2: clean keys for each attempt
+    # nccl binds the group to this rank's GPU (barrier() need not guess it).
+    bound = {"device_id": device} if backend == "nccl" else {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout, **bound)  # MASTER_ADDR etc. from torchrun
+        return
+    store = attempt_store(me.restart_count, timeout)  # Part 2: clean keys for each attempt
     dist.init_process_group(
         backend,
         store=store,
         rank=me.global_rank,
         world_size=me.world_size,
         timeout=timeout,
-        device_id=device if backend == "nccl" else None,  # nccl: bound to this rank's GPU
+        **bound,
     )
 
 
