@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import errno
-import itertools
 import json
 import os
+import queue
 import re
 import socket
 import subprocess
@@ -192,8 +192,8 @@ def connect_all(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str
         return dict(zip(targets, pool.map(lambda t: connect(*t, timeout), targets.values())))
 
 
-def listen(addr: str, port: int) -> int:
-    """Accept on addr:port from now on, each client closing first (no TIME_WAIT here)."""
+def listen(addr: str, port: int) -> socket.socket:
+    """Accept on addr:port until closed, each client closing first (no TIME_WAIT here)."""
     sock = socket.create_server((addr, port), backlog=128)
 
     def drain(conn: socket.socket) -> None:
@@ -205,22 +205,25 @@ def listen(addr: str, port: int) -> int:
                 pass
 
     def serve() -> None:
-        while True:
-            threading.Thread(target=drain, args=(sock.accept()[0],), daemon=True).start()
+        try:
+            while True:
+                threading.Thread(target=drain, args=(sock.accept()[0],), daemon=True).start()
+        except OSError:  # closed
+            pass
 
     threading.Thread(target=serve, daemon=True).start()
-    return sock.getsockname()[1]
+    return sock
 
 
-def mesh(me: dict, share, rank: int, port: int, deadline: float, connect_timeout: float):
+def mesh(me: dict, share, rank: int, port: int, connect_timeout: float) -> list | None:
     """This node's part: listen, share, connect, share again; every node's record, or None.
 
-    ``share(record, by)`` relays ``record`` and returns every node's (None if silent by ``by``).
+    ``share(record)`` relays ``record`` and returns every node's (None: the relay is done).
     """
     if me["facts"]["address"]:
-        me["mesh_port"] = listen(me["facts"]["address"], 0)
+        me["mesh_port"] = listen(me["facts"]["address"], 0).getsockname()[1]
     me["versions"] = versions()
-    nodes = share(me, deadline - connect_timeout - 2)
+    nodes = share(me)
     if nodes is None:
         return None
     targets = {
@@ -229,10 +232,10 @@ def mesh(me: dict, share, rank: int, port: int, deadline: float, connect_timeout
         if p and p.get("mesh_port") and n != rank
     }
     master = me["facts"]["master"]
-    if "master" not in me["connects"] and master and nodes[0] and not nodes[0]["listen_error"]:
+    if master and nodes[0] and not nodes[0]["listen_error"]:
         targets["master"] = (master, port)
     me["connects"].update(connect_all(targets, connect_timeout))
-    return share(me, deadline)
+    return share(me)
 
 
 SEEN = {
@@ -320,82 +323,138 @@ def explain(problems: list[tuple[str, str]], head: str) -> str:
     return head + ":\n" + "\n".join(f"  - {name} {text}" for name, text in problems)
 
 
-def _new_record(facts: dict, **more) -> dict:
-    return {"facts": facts, "listen_error": None, "mesh_port": None, "connects": {}, **more}
-
-
 def run_agent(args: dict) -> int:
-    """Over SSH: each record a stdout line; every node's comes back as a stdin line."""
-    timer = threading.Timer(args["timeout"] + 5, os._exit, args=(3,))
+    """One node's part, relayed: each record a stdout line, every node's back as a stdin line."""
+    timer = threading.Timer(args["timeout"] + 15, os._exit, args=(3,))
     timer.daemon = True
     timer.start()  # whatever hangs, this process ends
-    deadline = time.monotonic() + args["timeout"]
-    me = _new_record(local_facts(args["master_addr"], args.get("ifname")))
-    if args["rank"] == 0:
+    rank = args.get("rank", int(os.environ.get("SLURM_NODEID", 0)))
+    facts = local_facts(args["master_addr"], args.get("ifname"))
+    me = {"facts": facts, "listen_error": None, "mesh_port": None, "connects": {}}
+    if args.get("env_file"):  # what a Slurm job's torchrun step sources
+        with open(args["env_file"].replace("{node_rank}", str(rank)), "w") as f:
+            env = ifname_env(facts["iface"], args["backend"], os.environ)
+            f.write("".join(f"export {k}={v}\n" for k, v in env.items()))
+    server = None
+    if rank == 0:
         try:
-            listen("", args["master_port"])
+            server = listen("", args["master_port"])
         except OSError as e:
             me["listen_error"] = os.strerror(e.errno) if e.errno else str(e)
 
-    def share(record: dict, by: float) -> list | None:
+    def share(record: dict) -> list | None:
         print(TAG + json.dumps(record), flush=True)
-        line = sys.stdin.readline()  # the launcher closes our input when it has all
+        line = sys.stdin.readline()  # the relay closes our input when it is done
         return json.loads(line) if line.strip() else None
 
-    mesh(me, share, args["rank"], args["master_port"], deadline, args["connect_timeout"])
+    nodes = mesh(me, share, rank, args["master_port"], args["connect_timeout"])
+    if nodes is not None:  # no problem found, and the relay asks for an all-reduce
+        if server:  # node 0's port is the all-reduce's rendezvous once every node knows it is free
+            server.shutdown(socket.SHUT_RDWR)
+            server.close()
+        if share({"port_free": True}) is not None:
+            share({"all_reduce": _all_reduce(facts, rank, len(nodes), args)})
     return 0
 
 
-def _slurm_mesh(args: argparse.Namespace, me: dict, deadline: float):
-    """Every node's record via node 0's store, and the store; None when out of reach."""
-    from torch.distributed import TCPStore
-
-    master, rank, port, seen = me["facts"]["master"], args.node_rank, args.master_port, "ok"
-    while master and rank and time.monotonic() < deadline:
-        seen = connect(master, port, min(CONNECT_TIMEOUT, max(0.5, deadline - time.monotonic())))
-        if seen != "refused":
-            break
-        time.sleep(0.2)  # refused: node 0 may not listen yet
-    me["connects"]["master"] = seen
-    if not master or seen != "ok":
-        return None, None
-    left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
-    store = TCPStore(master, port, args.nnodes, rank == 0, timeout=left, wait_for_workers=False)
-    rounds = itertools.count(1)
-
-    def share(record: dict | None, by: float) -> list:
-        keys = [f"meshcheck/{next(rounds)}/{n}" for n in range(args.nnodes)]
-        store.set(keys[rank], json.dumps(record))
-        try:
-            store.wait(keys, timedelta(seconds=max(0.1, by - time.monotonic())))
-        except Exception:  # some did not report: read who did
-            pass
-        return [json.loads(store.get(k)) if store.check([k]) else None for k in keys]
-
-    nodes = mesh(me, share, rank, port, deadline, CONNECT_TIMEOUT)
-    share(None, time.monotonic() + (2.0 if rank == 0 else 0.0))  # node 0 keeps the store
-    return nodes, store  # until every node has read the results
-
-
-def _all_reduce(store, rank: int, nnodes: int, timeout: float) -> str | None:
-    """One gloo all-reduce over the chosen interfaces; None when every node got nnodes."""
+def _all_reduce(facts: dict, rank: int, nnodes: int, args: dict) -> str:
+    """One gloo all-reduce over the chosen interfaces: 'ok', or what went wrong."""
+    if facts["iface"]:  # gloo binds where the check found the way to node 0
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", facts["iface"])
     import torch
     import torch.distributed as dist
 
     try:
         dist.init_process_group(
             "gloo",
-            store=dist.PrefixStore("meshcheck/gloo", store),
+            init_method=f"tcp://{facts['master']}:{args['master_port']}",
             rank=rank,
             world_size=nnodes,
-            timeout=timedelta(seconds=max(1.0, timeout)),
+            timeout=timedelta(seconds=args["timeout"]),
         )
         x = torch.ones(1)
         dist.all_reduce(x)
         dist.destroy_process_group()
     except Exception as e:
         return f"the gloo all-reduce failed: {str(e).strip().splitlines()[0][:300]}"
-    return None if int(x.item()) == nnodes else f"the gloo all-reduce gave {x.item()}"
+    return "ok" if int(x.item()) == nnodes else f"the gloo all-reduce gave {x.item()}"
+
+
+def _read_records(proc: subprocess.Popen, queues: list, why_ended, labelled: bool) -> None:
+    """Each agent's records from ``proc``'s output onto its node's queue, then why it ended."""
+
+    def read() -> None:
+        said = [[] for _ in queues]
+        for line in proc.stdout:
+            m = re.match(r"\s*(\d+): ", line) if labelled else None
+            n, text = (int(m[1]), line[m.end() :]) if m else (0, line)
+            if text.startswith(TAG):
+                queues[n].put(json.loads(text[len(TAG) :]))
+            else:
+                said[n].append(text)
+        code = proc.wait()
+        for records, lines in zip(queues, said):
+            records.put({"error": why_ended(code, "".join(lines))})
+
+    threading.Thread(target=read, daemon=True).start()
+
+
+def relay(names: list, agents: list, args: dict, why_ended, labelled: bool = False):
+    """Every node's records relayed to all of them, then each node's record and the problems.
+
+    ``agents``: the launched :func:`run_agent` processes, one per node, or one whose lines
+    are led by each node's ``N: `` (``labelled``, as ``srun --label``), each in a session
+    of its own (ended here). ``names[n]``: node n's (None: ``node N (its host name)``).
+    ``why_ended(exit_code, what_it_printed)``: a node's record when its agent ends.
+    Rounds: the facts, then what each node reached, then (``all_reduce``, when all is well)
+    a gloo all-reduce.
+    """
+    deadline = time.monotonic() + args["timeout"]
+    nodes: list[dict] = [{"name": name} if name else {} for name in names]
+    queues = [queue.Queue() for _ in names]
+    for n, proc in enumerate(agents):
+        _read_records(proc, queues if labelled else queues[n : n + 1], why_ended, labelled)
+
+    def send(line: str) -> None:
+        for proc in agents:
+            try:
+                proc.stdin.write(line + "\n")
+                proc.stdin.flush()
+            except OSError:
+                pass  # it has ended: its last record says why
+
+    def gather(by: float) -> str:
+        for n, (node, records) in enumerate(zip(nodes, queues)):
+            try:
+                if "error" not in node:
+                    node.update(records.get(timeout=max(0.0, by - time.monotonic())))
+            except queue.Empty:
+                node["error"] = "did not answer the network check in time (its launcher hung)"
+            host = (node.get("facts") or {}).get("hostname")
+            node.setdefault("name", f"node {n} ({host})" if host else f"node {n}")
+        return json.dumps([None if "error" in node else node for node in nodes])
+
+    try:
+        send(gather(deadline - args["connect_timeout"] - 2))  # every node gets the live ones
+        everyone = gather(deadline)
+        problems = diagnose(nodes, args["master_addr"], args["master_port"])
+        if args.get("all_reduce") and not problems:
+            send(everyone)
+            send(gather(time.monotonic() + 5))  # node 0's port is free for the all-reduce
+            gather(time.monotonic() + args["timeout"])
+            problems = [(n["name"], n.get("error") or n["all_reduce"]) for n in nodes
+                        if n.get("all_reduce") != "ok"]  # fmt: skip
+        return nodes, problems
+    finally:
+        for proc in agents:
+            try:
+                proc.stdin.close()  # the agent reads end-of-file and exits
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
 
 
 def ifname_env(iface: str | None, backend: str, user_env) -> dict[str, str]:
@@ -404,59 +463,45 @@ def ifname_env(iface: str | None, backend: str, user_env) -> dict[str, str]:
     return {v: iface for v in names if iface and v not in user_env}
 
 
+def slurm_step(args: argparse.Namespace) -> int:
+    """A Slurm job's first step, on its first node: one agent per node (srun), relayed here."""
+    agent = {"master_addr": args.master_addr, "master_port": args.master_port,
+             "timeout": args.timeout, "connect_timeout": CONNECT_TIMEOUT, "all_reduce": True,
+             "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "backend": args.backend,
+             "env_file": args.env_file}  # fmt: skip
+    argv = ["srun", "--label", "--ntasks-per-node=1", sys.executable, os.path.abspath(__file__),
+            "--agent", json.dumps(agent)]  # fmt: skip
+    pipe = subprocess.PIPE  # srun sends its input to every node's agent
+    srun = subprocess.Popen(argv, stdin=pipe, stdout=pipe, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    nodes, problems = relay([None] * args.nnodes, [srun], agent, lambda code, said: (
+        f"ended (srun exit {code}) before its check was done: "
+        f"{said.strip()[-500:] or 'it printed nothing'}"), labelled=True)  # fmt: skip
+    if problems:
+        print(explain(problems, "The network check failed"), file=sys.stderr)
+        return 1
+    for node in nodes:
+        print(f"{node['name']}, interface {node['facts']['iface']}: reaches node 0 and all "
+              f"{args.nnodes - 1} peer(s); gloo all-reduce ok")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agent", help=argparse.SUPPRESS)
     parser.add_argument("--nnodes", type=int)
-    parser.add_argument("--node-rank", type=int)
     parser.add_argument("--master-addr")
     parser.add_argument("--master-port", type=int)
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--backend", default="gloo")
-    parser.add_argument("--env-file", help="write 'export GLOO_SOCKET_IFNAME=...' here "
-                        "({node_rank} is replaced)")  # fmt: skip
+    parser.add_argument("--env-file", help="each node writes 'export GLOO_SOCKET_IFNAME=...' "
+                        "here ({node_rank} is replaced)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.agent:
         return run_agent(json.loads(args.agent))
-    if None in (args.nnodes, args.node_rank, args.master_addr, args.master_port):
-        parser.error("--nnodes, --node-rank, --master-addr and --master-port are required")
-    return check_allocation(args)
-
-
-def check_allocation(args: argparse.Namespace) -> int:
-    """The Slurm check on this node: 0 when all is well, 1 with the problems on stderr."""
-    deadline = time.monotonic() + args.timeout
-    facts = local_facts(args.master_addr, os.environ.get("GLOO_SOCKET_IFNAME"))
-    me = _new_record(facts, name=f"node {args.node_rank} ({facts['hostname']})")
-    if args.env_file:  # what the torchrun step sources
-        with open(args.env_file.replace("{node_rank}", str(args.node_rank)), "w") as f:
-            env = ifname_env(facts["iface"], args.backend, os.environ)
-            f.write("".join(f"export {k}={v}\n" for k, v in env.items()))
-    nodes, store = _slurm_mesh(args, me, deadline)
-    rank = args.node_rank
-    known = nodes or [me if n == rank else None for n in range(args.nnodes)]  # out of reach
-    named = [rec or {"name": f"node {n}"} for n, rec in enumerate(known)]
-    problems = diagnose(named, args.master_addr, args.master_port) + [
-        (f"node {n}", f"did not report within {args.timeout:.0f} s: see its own output")
-        for n, rec in enumerate(nodes or [])
-        if rec is None
-    ]
-    if nodes and not problems:
-        if facts["iface"]:  # gloo binds where the check found the way to node 0
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", facts["iface"])
-        left = deadline - time.monotonic()
-        failed = _all_reduce(store, rank, args.nnodes, max(3.0, left))
-        problems = [(me["name"], failed)] if failed else []
-    head = f"{me['name']}, interface {facts['iface']}: "
-    if problems:
-        if rank == 0 or nodes is None:
-            print(explain(problems, head + "the network check failed"), file=sys.stderr)
-        else:
-            print(head + "the network check failed; node 0's output names every problem",
-                  file=sys.stderr)  # fmt: skip
-        return 1
-    print(head + f"reaches node 0 and all {args.nnodes - 1} peer(s); gloo all-reduce ok")
-    return 0
+    if None in (args.nnodes, args.master_addr, args.master_port):
+        parser.error("--nnodes, --master-addr and --master-port are required")
+    return slurm_step(args)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,9 @@ torch versions match. Hosts need Python only: :mod:`ddpnb.meshcheck` goes as ``p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import os
-import queue
 import subprocess
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -123,8 +121,7 @@ def check_network(
         "ifname": user_env.get("GLOO_SOCKET_IFNAME") or None,
         "connect_timeout": min(meshcheck.CONNECT_TIMEOUT, timeout / 4),
     }
-    nodes = _run_agents(ssh, hosts, python, args)
-    problems = meshcheck.diagnose(nodes, master_addr, master_port)
+    nodes, problems = run_agents(ssh, hosts, python, args)
     rows = [_row(n, node, backend, user_env) for n, node in enumerate(nodes)]
     report = NetworkReport(
         rows, problems, master_addr, master_port, backend, time.monotonic() - start
@@ -135,63 +132,17 @@ def check_network(
     return report
 
 
-def _run_agents(ssh: Ssh, hosts: Sequence[Host], python: str, args: dict) -> list[dict]:
-    """One agent per host; relay their facts to every one of them; what each then saw."""
-    deadline = time.monotonic() + args["timeout"]
-    agents: list[tuple[subprocess.Popen, queue.Queue]] = []
-    try:
-        for n, host in enumerate(hosts):
-            agents.append(_agent(ssh, host, python, {**args, "rank": n}))
-        nodes = [{"name": h.spec} for h in hosts]
-        for by in (deadline - args["connect_timeout"] - 2, deadline):
-            for node, (_, records) in zip(nodes, agents):
-                try:
-                    if "error" not in node:
-                        node.update(records.get(timeout=max(0.0, by - time.monotonic())))
-                except queue.Empty:
-                    node["error"] = "did not answer the network check in time (ssh or python hung)"
-            if by < deadline:  # every agent gets every live host's facts
-                live = json.dumps([None if "error" in node else node for node in nodes])
-                for proc, _ in agents:
-                    try:
-                        proc.stdin.write(live + "\n")
-                        proc.stdin.flush()
-                    except OSError:
-                        pass  # it has ended: its last record says why
-        return nodes
-    finally:
-        for proc, _ in agents:
-            try:
-                proc.stdin.close()  # the agent reads end-of-file and exits
-                proc.wait(timeout=2)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-
-
-def _agent(ssh: Ssh, host: Host, python: str, args: dict) -> tuple[subprocess.Popen, queue.Queue]:
-    """meshcheck's agent on ``host``, and the queue of its records (last: why it ended)."""
-    line = remote_line(
-        [python, "-c", Path(meshcheck.__file__).read_text(), "--agent", json.dumps(args)]
-    )
-    pipe = subprocess.PIPE  # a session of its own: ours to end, by its process group
-    proc = subprocess.Popen(ssh.command(host, line), stdin=pipe, stdout=pipe,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-    records: queue.Queue = queue.Queue()
-
-    def read() -> None:
-        said = []  # what ssh or python said, when it fails
-        for out in proc.stdout:
-            if out.startswith(meshcheck.TAG):
-                records.put(json.loads(out[len(meshcheck.TAG) :]))
-            else:
-                said.append(out)
-        records.put({"error": ssh_failure(proc.wait(), "".join(said), python)})
-
-    threading.Thread(target=read, daemon=True).start()
-    return proc, records
+def run_agents(ssh: Ssh, hosts: Sequence[Host], python: str, args: dict):
+    """:func:`meshcheck.relay` with one agent per host over SSH: its nodes and problems."""
+    agents = []
+    for n, host in enumerate(hosts):
+        line = remote_line([python, "-c", Path(meshcheck.__file__).read_text(), "--agent",
+                            json.dumps({**args, "rank": n})])  # fmt: skip
+        pipe = subprocess.PIPE  # a session of its own: ours to end, by its process group
+        agents.append(subprocess.Popen(ssh.command(host, line), stdin=pipe, stdout=pipe,
+                      stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
+    why_ended = functools.partial(ssh_failure, python=python)
+    return meshcheck.relay([h.spec for h in hosts], agents, args, why_ended)
 
 
 def _row(n: int, node: dict, backend: str, user_env: Mapping[str, str]) -> HostRow:

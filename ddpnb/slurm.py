@@ -429,13 +429,14 @@ $SLURMD_NODENAME cannot see $0, the marker written at submission: the run direct
 be on a filesystem shared by the submit host and every node." >&2; exit 97; }}' \\
     {marker_path} {marker}
 """
-NETWORK = """# The network, proven before training: every node reaches the first node's port and
-# every peer, on its interface toward the first node (written to logs/net-env-N.sh for
-# torchrun below). A node that cannot stops the job at once (exit 96), named in this log.
-srun --ntasks-per-node=1 bash -c '"$@" --node-rank "$SLURM_NODEID" \\
-    --env-file "$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh" || exit 96' bash \\
-    {python} "$DDPNB_RUN_DIR/ddpnb_meshcheck.py" --nnodes "$SLURM_NNODES" \\
-    --master-addr "$head_node" --master-port "{port}" --timeout 20 --backend gloo
+NETWORK = """# The network, proven before training, from this node: one check per node (srun)
+# relayed through this one. Every node reaches the first node's port and every peer on its
+# interface toward the first node (written to logs/net-env-N.sh for torchrun below), then a
+# gloo all-reduce runs over those interfaces. A node that cannot stops the job at once
+# (exit 96), named in this log.
+{python} "$DDPNB_RUN_DIR/ddpnb_meshcheck.py" --nnodes "$SLURM_NNODES" \\
+    --master-addr "$head_node" --master-port "{port}" --timeout 20 --backend gloo \\
+    --env-file "$DDPNB_RUN_DIR/logs/net-env-{{node_rank}}.sh" || exit 96
 
 """
 

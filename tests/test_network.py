@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 from sshhosts import IFNAME, TRAIN_IFNAME, default_route, ssh_hosts
 
+from ddpnb import meshcheck
 from ddpnb.errors import NetworkError
-from ddpnb.network import check_network
-from ddpnb.ssh import Ssh, parse_hosts, remote_line
+from ddpnb.network import check_network, run_agents
+from ddpnb.ssh import Ssh, parse_hosts
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
-
-MESHCHECK = Path(__file__).parents[1] / "ddpnb" / "meshcheck.py"
 
 
 @pytest.fixture(scope="module")
@@ -69,22 +68,13 @@ def _no_leftovers(hosts, within: float = 5.0) -> dict:
     return hosts.leftovers()
 
 
-def _meshcheck(hosts, tmp_path, n: int, master_addr: str, port: int, envs: list[dict]):
-    """Run meshcheck.py as the Slurm step would, one per host (here over SSH): codes, stderrs."""
-    script = tmp_path / "meshcheck.py"  # the hosts share this filesystem (port 22 servers)
-    shutil.copyfile(MESHCHECK, script)
-    ssh = Ssh(str(hosts.ssh_config))
-    procs = []
-    for rank, host in enumerate(parse_hosts(hosts.names[:n])):
-        argv = [sys.executable, str(script), "--nnodes", str(n), "--node-rank", str(rank),
-                "--master-addr", master_addr, "--master-port", str(port), "--timeout", "20",
-                "--env-file", str(tmp_path / "net-{node_rank}.env")]  # fmt: skip
-        procs.append(subprocess.Popen(
-            ssh.command(host, remote_line(argv, env={"OMP_NUM_THREADS": "1", **envs[rank]})),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
-    outs = [p.communicate(timeout=60) for p in procs]
-    return [p.returncode for p in procs], [out + err for out, err in outs]
+def _meshcheck(hosts, tmp_path, n: int, master_addr: str, port: int):
+    """The check a Slurm job's first step makes (all-reduce, env files), agents over SSH."""
+    args = {"master_addr": master_addr, "master_port": port, "timeout": 20.0, "all_reduce": True,
+            "connect_timeout": meshcheck.CONNECT_TIMEOUT, "ifname": None, "backend": "gloo",
+            "env_file": str(tmp_path / "net-{node_rank}.env")}  # fmt: skip
+    hosts_ = parse_hosts(hosts.names[:n])
+    return run_agents(Ssh(str(hosts.ssh_config)), hosts_, sys.executable, args)
 
 
 def test_two_hosts_pass_and_each_gets_the_interface_toward_node_0(hosts, tmp_path):
@@ -111,14 +101,12 @@ def test_two_hosts_pass_and_each_gets_the_interface_toward_node_0(hosts, tmp_pat
     nccl = _check(hosts, 2, hosts.addrs[0], 29631, backend="nccl",
                   user_env={"GLOO_SOCKET_IFNAME": IFNAME})  # fmt: skip
     assert [nccl.env(n) for n in (0, 1)] == [{"NCCL_SOCKET_IFNAME": IFNAME}] * 2
-    # The chosen interface carries a real gloo all-reduce: meshcheck, as the Slurm step runs
-    # it, node 0 given report.env(0), node 1 choosing by itself (and writing its choice for
-    # the torchrun step to source).
-    codes, outs = _meshcheck(hosts, tmp_path, 2, hosts.addrs[0], 29632, [report.env(0), {}])
-    assert codes == [0, 0], outs
-    assert all("gloo all-reduce ok" in out for out in outs), outs
-    assert (tmp_path / "net-0.env").read_text() == ""  # set by the caller: nothing to add
-    assert (tmp_path / "net-1.env").read_text() == f"export GLOO_SOCKET_IFNAME={IFNAME}\n"
+    # The chosen interfaces carry a real gloo all-reduce, as a Slurm job's first step runs
+    # it, each node writing its choice for the torchrun step to source.
+    nodes, problems = _meshcheck(hosts, tmp_path, 2, hosts.addrs[0], 29632)
+    assert problems == [] and [n["all_reduce"] for n in nodes] == ["ok", "ok"], nodes
+    for n in (0, 1):
+        assert (tmp_path / f"net-{n}.env").read_text() == f"export GLOO_SOCKET_IFNAME={IFNAME}\n"
     assert not _no_leftovers(hosts)
 
 
@@ -174,10 +162,11 @@ def test_ephemeral_ports_dropped_between_two_hosts_name_the_pair(hosts, nft, tmp
     rows = e.value.report.rows
     assert [r.reaches_node0 for r in rows] == ["ok"] * 3
     assert [r.mesh for r in rows] == ["ok", "cannot reach node 2", "ok"]
-    # The Slurm step fails the same way, node 0 naming the pair.
-    codes, outs = _meshcheck(hosts, tmp_path, 3, hosts.addrs[0], port, [{}] * 3)
-    assert codes == [1, 1, 1], outs
-    assert "cannot connect to" in outs[0] and "ephemeral port" in outs[0], outs[0]
+    # The Slurm step fails the same way, naming the pair, and runs no all-reduce.
+    nodes, problems = _meshcheck(hosts, tmp_path, 3, hosts.addrs[0], port)
+    said = meshcheck.explain(problems, "failed")
+    assert "hostb cannot connect to hostc" in said and "ephemeral port" in said, said
+    assert not any("all_reduce" in n for n in nodes)
     assert not _no_leftovers(hosts)
 
 

@@ -25,7 +25,7 @@ from slurm_cluster import PARTITION, SlurmCluster
 
 import ddpnb
 from ddpnb.demo import NOTEBOOKS, ipc_kernel_manager
-from ddpnb.errors import ConfigError, DatasetError, LaunchError, WorkerFailed
+from ddpnb.errors import ConfigError, DatasetError, LaunchError, NetworkError, WorkerFailed
 from ddpnb.progress import WidgetProgress
 from ddpnb.slurm import (
     MARKER_NAME,
@@ -491,3 +491,17 @@ def test_a_hang_in_a_batch_job_shows_every_ranks_stack(slurm, tmp_path):
     finally:
         job.stop()
     assert job.state == "CANCELLED" and _squeue(job.job_id) == ""
+
+
+def test_a_network_check_failure_stops_the_job_before_training(slurm, tmp_path):
+    """The job's first step relays every node's check through srun and names what failed."""
+    from ddpnb import Script
+
+    with pytest.raises(NetworkError) as info:
+        submit_slurm(Script(OWN / "linear.py"), tmp_path / "net", nnodes=2, progress="none",
+                     env={"GLOO_SOCKET_IFNAME": "nosuch0"})  # fmt: skip
+    message = str(info.value)
+    assert "network check of its first step failed" in message, message
+    for n in (0, 1):
+        assert f"node {n} (" in message and "has no interface nosuch0" in message, message
+    assert not list((tmp_path / "net" / "logs").glob("node-*.log"))  # no torchrun started
