@@ -685,16 +685,14 @@ def _rendezvous_findings(rank: _Rank, run_dir: Path):
         literal = _literal_args(run_dir, init["where"])
         for key in ("rank", "world_size"):
             value, env_value = init.get(key), env.get(key.upper())
-            if value is None:
-                continue
-            if str(value) != env_value:
+            if value is not None and str(value) != env_value:
                 seen = (
                     f"init_process_group({key}={value}) on the process torchrun started with "
                     f"{key.upper()}={env_value}; the check stopped it there (it would hang)."
                 )
                 why = f"Processes that disagree with torchrun about the {key.replace('_', ' ')} never form one group."
                 yield Finding(7, where, seen, why)
-            elif key in literal:
+            elif value is not None and key in literal:
                 seen = (
                     f"{key}={literal[key]} is written into the script; it equals torchrun's "
                     f"{key.upper()} in this check only because the check runs {env.get('WORLD_SIZE')} processes."
