@@ -97,9 +97,8 @@ def script(config: TrainConfig, name: str, folder: str | os.PathLike) -> Script:
 
 
 def _per_epoch_rank_mean(run, key: str) -> list[float]:
-    ranks = list(as_metrics(run).ranks.values())
-    epochs = min(len(records) for records in ranks)
-    return [sum(records[e][key] for records in ranks) / len(ranks) for e in range(epochs)]
+    epochs = zip(*as_metrics(run).ranks.values())  # each epoch's records, one a rank
+    return [sum(record[key] for record in epoch) / len(epoch) for epoch in epochs]
 
 
 def epoch_seconds(run) -> float:
