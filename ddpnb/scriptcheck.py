@@ -262,9 +262,6 @@ def load_records(folder: str | os.PathLike) -> dict[int, list[dict]]:
     return {rank: found[rank] for rank in sorted(found) if found[rank]}
 
 
-# -- the records of one rank ------------------------------------------------------------
-
-
 def _at(where: dict | None) -> str:
     return f"{where['file']}:{where['line']}" if where else NOWHERE
 
@@ -350,9 +347,6 @@ def _common(ranks: list[_Rank], passes: list[dict]) -> tuple[list[list[int]], in
     return [lv[depth - 1] for lv in levels], None
 
 
-# -- the analysis: each check returns its findings and its notes of what it checked ----------
-
-
 def analyse(
     records: dict[int, list[dict]],
     run_dir: Path,
@@ -361,7 +355,8 @@ def analyse(
     error: str | None = None,
     hung: RunHung | None = None,
 ) -> ScriptReport:
-    """The report of one observed run (``records``: :func:`load_records`)."""
+    """The report of one observed run (``records``: :func:`load_records`): each check below
+    returns its findings and its notes of what it checked."""
     ranks = [_Rank(r) for r in records.values() if any(x["kind"] == "start" for x in r)]
     world = nnodes * nproc_per_node
     layout = f"{nnodes} node(s) x {nproc_per_node} process(es)"
