@@ -1,7 +1,4 @@
-"""From what a run left on disk to a typed error: which node, which rank, and why.
-
-Pure functions of run-directory files and the agents' exit codes: testable on fixture files.
-"""
+"""From a run's files and its agents' exit codes to a typed error: which node, which rank, why."""
 
 from __future__ import annotations
 
@@ -208,11 +205,9 @@ def diagnose_failure(
 ) -> RunFailed:
     """The typed error, root cause first, for agents that exited non-zero (``failed``: node->rc)."""
     errors = worker_errors(run_dir, local_nodes, topology.nproc_per_node, started_at)
-    node = min(failed)
-    tail = log_tail(run_dir, node, 200)
-    lost = lost_node(run_dir, topology, local_nodes, failed, errors, started_at)
-    if lost is not None:
+    if lost := lost_node(run_dir, topology, local_nodes, failed, errors, started_at):
         return lost
+    node = min(failed)
     killed = [(n, r["rank"], r["exit_code"]) for n in local_nodes for r in failed_ranks(run_dir, n)]
     killed = [k for k in killed if k[2] < 0]  # a worker killed by a signal
     if killed and (not errors or errors[0][0][0]):  # nothing but secondary errors
@@ -240,6 +235,7 @@ def diagnose_failure(
             traceback=info["traceback"],
             log_tail=log_tail(run_dir, node),
         )
+    tail = log_tail(run_dir, node, 200)
     joined = re.search(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+)", tail)
     if joined or "RendezvousTimeoutError" in tail:
         counted = f" ({joined.group(1)} of {joined.group(2)} nodes joined)" if joined else ""

@@ -18,11 +18,8 @@ def _runs(runs, labels) -> list:  # (label, RunMetrics); the default label: the 
 
 
 def label_log_axis(ax: Axes) -> None:
-    """Label a log-scale y axis at 1, 2 and 5 of each decade, as plain numbers (0.5, 2, 20).
-
-    Matplotlib labels only the powers of ten. Over many decades fewer labels are used; within
-    one, every multiple and 1.5. Call it after plotting: it reads the axis's limits.
-    """
+    """Label a log-scale y axis at 1, 2 and 5 of each decade as plain numbers (0.5, 2, 20); fewer
+    over many decades, more within one. Call it after plotting: it reads the axis's limits."""
     low, high = ax.get_ylim()
     decades = math.log10(high / low) if low > 0 and high > low else 0.0
     subs = (1.0, 2.0, 5.0) if decades <= 3.5 else (1.0, 3.0) if decades <= 6 else (1.0,)
@@ -34,10 +31,8 @@ def label_log_axis(ax: Axes) -> None:
 
 
 def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None = None) -> Figure:
-    """Loss and accuracy per epoch (train dashed, val solid) for one or more runs.
-
-    Epochs after a torchrun restart get a red ``x``. A script's run draws what it reported.
-    """
+    """Loss and accuracy per epoch (train dashed, val solid) for one or more runs; epochs after
+    a torchrun restart get a red ``x``. A script's run draws what it reported."""
     # Figure() rather than pyplot: no global state, no GUI backend, safe in threads.
     fig = Figure(figsize=(10, 4), layout="constrained")
     ax_loss, ax_acc = fig.subplots(1, 2)
@@ -98,11 +93,8 @@ def plot_throughput(
 
 
 def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None = None) -> Figure:
-    """Throughput and scaling efficiency per run, and where each rank's epoch time goes.
-
-    Left: :func:`~ddpnb.tables.scaling_table`'s images/s and efficiency. Right: each rank's
-    last-epoch seconds split into data wait, compute and communication backward waited for.
-    """
+    """Left: :func:`~ddpnb.tables.scaling_table`'s images/s and efficiency per run. Right: each
+    rank's last-epoch seconds: data wait, compute, and communication backward waited for."""
     runs = _runs(runs, labels)
     labels = [label for label, _ in runs]
     fig = Figure(figsize=(11, 4), layout="constrained")
@@ -115,7 +107,6 @@ def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None
     ax_ips.set_xticks(range(len(runs)), labels)
     ax_ips.set(ylabel="training images/s (last epoch)", title="Throughput (efficiency vs first)")
     ax_ips.margins(y=0.2)
-
     parts = (("data_wait_seconds", "data wait"), ("compute_seconds", "compute"))
     parts += (("comm_seconds", "communication (not overlapped)"),)
     x, ticks, ticklabels = 0.0, [], []
