@@ -213,26 +213,21 @@ def diagnose_failure(
     if killed and (not errors or errors[0][0][0]):  # nothing but secondary errors
         node, rank, code = killed[0]
         name = signal.Signals(-code).name if -code in set(signal.Signals) else f"signal {-code}"
+        how = f"was killed by {name} (exit code {code}); the other ranks failed because it was gone"
+        traceback = ""
+    elif errors:
+        _, node, rank, info = errors[0]
+        summary = failed_ranks(run_dir, node, 200)
+        code = next((r["exit_code"] for r in summary if r["rank"] == rank), None)
+        traceback, line = info["traceback"], script_line(info["traceback"], run_dir)
+        how = f"failed (exit code {code}){line}: {info['message']}"
+    if killed or errors:
         return WorkerFailed(
-            f"Worker global rank {rank} on node {node} was killed by {name} (exit code {code}); "
-            "the other ranks failed because it was gone. The other nodes were stopped.",
+            f"Worker global rank {rank} on node {node} {how}. The other nodes were stopped.",
             node_rank=node,
             global_rank=rank,
             exit_code=code,
-            log_tail=log_tail(run_dir, node),
-        )
-    if errors:
-        _, node, rank, info = errors[0]
-        summary = failed_ranks(run_dir, node, 200)
-        exit_code = next((r["exit_code"] for r in summary if r["rank"] == rank), None)
-        return WorkerFailed(
-            f"Worker global rank {rank} on node {node} failed (exit code {exit_code})"
-            f"{script_line(info['traceback'], run_dir)}: {info['message']}. The other nodes "
-            "were stopped.",
-            node_rank=node,
-            global_rank=rank,
-            exit_code=exit_code,
-            traceback=info["traceback"],
+            traceback=traceback,
             log_tail=log_tail(run_dir, node),
         )
     tail = log_tail(run_dir, node, 200)

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .demo import ipc_kernel_manager
 from .errors import ConfigError
 from .metrics import load_metrics, read_json
 from .tables import Table
@@ -266,8 +267,6 @@ def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: s
     """Run one point (its folder cleared first) in a thread, so that Ctrl-C reaches this one;
     its record says how it went."""
     import papermill
-
-    from .demo import ipc_kernel_manager
 
     if point.folder.is_dir() and point.record():  # ours: a failed or redone point's runs
         shutil.rmtree(point.folder)
