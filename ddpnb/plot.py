@@ -51,8 +51,7 @@ def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None 
                 if e.get("restart_count", 0) > prev.get("restart_count", 0) and f"val_{key}" in e
             ]
             if resumed:
-                xs, ys = zip(*resumed)
-                ax.plot(xs, ys, "x", color="red", ms=10, mew=2, label=f"{label}: restart")
+                ax.plot(*zip(*resumed), "x", color="red", ms=10, mew=2, label=f"{label}: restart")
     # Log scale: an untrained first epoch can sit 100x above the rest.
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss (log)", title="Loss", yscale="log")
     label_log_axis(ax_loss)
