@@ -386,8 +386,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _submit(args: argparse.Namespace) -> None:
-    config = train_config(args)
-    _slurm_job(config, args.run_dir, args.nnodes, args.detach, _given(args, SUBMIT))
+    _slurm_job(train_config(args), args.run_dir, args.nnodes, args.detach, _given(args, SUBMIT))
 
 
 def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) -> None:

@@ -67,20 +67,16 @@ def _text(value: Any) -> str:
     return json.dumps(value, default=str, separators=(",", ":"))
 
 
-def _shortened(name: str, raw: str) -> str:
-    return f"{name[: MAX_NAME - 9]}-{hashlib.sha1(raw.encode()).hexdigest()[:8]}"
-
-
-def _safe(text: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9._+=,-]", "_", text).lstrip(".") or "point"
-    return _shortened(name, text) if len(name) > MAX_NAME else name
-
-
 def point_names(points: Sequence[Mapping[str, Any]], default: str) -> list[str]:
     """A readable, file-system-safe, distinct name per point (``default`` without a grid)."""
     raw = [",".join(f"{k}={_text(v)}" for k, v in p.items()) or default for p in points]
-    names = [_safe(r) for r in raw]  # two values made safe alike are told apart by their hash
-    return [_shortened(n, r) if names.count(n) > 1 else n for n, r in zip(names, raw)]
+    hashed = lambda name, r: f"{name[: MAX_NAME - 9]}-{hashlib.sha1(r.encode()).hexdigest()[:8]}"
+    safe = [re.sub(r"[^A-Za-z0-9._+=,-]", "_", r).lstrip(".") or "point" for r in raw]
+    names = [hashed(n, r) if len(n) > MAX_NAME else n for n, r in zip(safe, raw)]
+    for i, name in enumerate(names):
+        if names.count(name) > 1:  # two values made safe alike: tell them apart
+            names[i] = hashed(name, raw[i])
+    return names
 
 
 class Point:
@@ -183,7 +179,7 @@ def plan(notebook: Path, out_dir: Path, grid: dict, parameters: dict, cwd: Path)
     }
     combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     points, seen = [], {}  # seen: (parameter, run directory) -> the point writing it
-    for name, values in zip(point_names(combos, _safe(notebook.stem)), combos):
+    for name, values in zip(point_names(combos, notebook.stem), combos):
         given = {**parameters, **values}
         for param in RUN_DIR_PARAMETERS:  # each point's runs inside its own folder
             if param in known and param not in given:
