@@ -139,14 +139,7 @@ HOSTS = ["hosts", "ssh_config", "ssh_options", "python", "remote_run_dir"]
 SLURM = ["partition", "time", "account", "gpus_per_node", "sbatch_args"]
 LAUNCH = [name for name in OPTIONS if name not in HOSTS + SLURM]
 SUBMIT = ["nproc_per_node", *SLURM, "python", "max_restarts", "resume", "overwrite"]
-CHECK_HOSTS = [
-    "ssh_config",
-    "ssh_options",
-    "python",
-    "nproc_per_node",
-    "master_addr",
-    "master_port",
-]
+CHECK_HOSTS = "ssh_config ssh_options python nproc_per_node master_addr master_port".split()
 
 
 def _flags(name: str) -> tuple[str, ...]:
@@ -188,9 +181,7 @@ def _command(sub, name: str, handler, **kwargs: Any) -> argparse.ArgumentParser:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ddpnb", description="Multi-node DDP training, from a notebook."
-    )
+    p = argparse.ArgumentParser("ddpnb", description="Multi-node DDP training, from a notebook.")
     sub = p.add_subparsers(dest="command", required=True)
     prep = _command(sub, "prep", _prep)
     prep.add_argument("--out", required=True, help="dataset folder to create")
@@ -198,14 +189,14 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--val-fraction", type=float, default=0.2)
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--overwrite", action="store_true")
-    _command(sub, "check", _check).add_argument("dir")
+    _command(sub, "check", lambda a: 0 if inspect_dataset(a.dir).ok else 1).add_argument("dir")
     train = _command(sub, "train", _train)
     _job_group(train, "launch", "where the run's files go (config, metrics, checkpoint, logs)")
     launch_options(train)
     _config_options(train)
     _run_parser(_command(sub, "run", _run, usage="ddpnb run [OPTIONS] SCRIPT [SCRIPT_ARGS...]"))
     _command(sub, "check-script", None)  # listed here; parsed by ddpnb.scriptcheck (see main)
-    _command(sub, "stacks", _stacks).add_argument("run_dir")
+    _command(sub, "stacks", lambda a: print(stacks(a.run_dir))).add_argument("run_dir")
     plot = _command(sub, "plot", _plot)
     plot.add_argument("run_dirs", nargs="+")
     plot.add_argument("--out", default="curves.png")
@@ -339,8 +330,7 @@ class StoppedBySignal(KeyboardInterrupt):
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
-        self.signum = signum
-        self.name = signal.Signals(signum).name
+        self.signum, self.name = signum, signal.Signals(signum).name
 
 
 class _StopSignals:
@@ -355,12 +345,9 @@ class _StopSignals:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
         for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is signal.SIG_IGN:
-                continue  # e.g. nohup: an ignored SIGHUP stays ignored
-            try:
-                self.previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave the signals alone
-                break
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup: SIGHUP stays ignored
+                with contextlib.suppress(ValueError):  # not the main thread: leave them alone
+                    self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -370,8 +357,7 @@ class _StopSignals:
             raise StoppedBySignal(self.received) from exc  # e.g. a write to a closed terminal
 
 
-# Each command returns its exit status (None: 0); those that start processes stop them all on a
-# signal.
+# Each command returns its exit status (None: 0); those that start processes stop them on a signal.
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -400,8 +386,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _submit(args: argparse.Namespace) -> None:
-    config = train_config(args)
-    _slurm_job(config, args.run_dir, args.nnodes, args.detach, _given(args, SUBMIT))
+    _slurm_job(train_config(args), args.run_dir, args.nnodes, args.detach, _given(args, SUBMIT))
 
 
 def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) -> None:
@@ -454,14 +439,6 @@ def _sweep(args: argparse.Namespace) -> int:
 def _prep(args: argparse.Namespace) -> None:
     root = prepare_digits(args.out, args.image_size, args.val_fraction, args.seed, args.overwrite)
     inspect_dataset(root)
-
-
-def _check(args: argparse.Namespace) -> int:
-    return 0 if inspect_dataset(args.dir).ok else 1
-
-
-def _stacks(args: argparse.Namespace) -> None:
-    print(stacks(args.run_dir))
 
 
 def _plot(args: argparse.Namespace) -> None:
@@ -523,7 +500,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _say(message: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone
         print(message, file=sys.stderr)
-    except OSError:  # SIGHUP: the terminal may be gone
-        pass

@@ -1,7 +1,4 @@
-"""From what a run left on disk to a typed error: which node, which rank, and why.
-
-Pure functions of run-directory files and the agents' exit codes: testable on fixture files.
-"""
+"""From a run's files and its agents' exit codes to a typed error: which node, which rank, why."""
 
 from __future__ import annotations
 
@@ -208,38 +205,32 @@ def diagnose_failure(
 ) -> RunFailed:
     """The typed error, root cause first, for agents that exited non-zero (``failed``: node->rc)."""
     errors = worker_errors(run_dir, local_nodes, topology.nproc_per_node, started_at)
-    node = min(failed)
-    tail = log_tail(run_dir, node, 200)
-    lost = lost_node(run_dir, topology, local_nodes, failed, errors, started_at)
-    if lost is not None:
+    if lost := lost_node(run_dir, topology, local_nodes, failed, errors, started_at):
         return lost
+    node = min(failed)
     killed = [(n, r["rank"], r["exit_code"]) for n in local_nodes for r in failed_ranks(run_dir, n)]
     killed = [k for k in killed if k[2] < 0]  # a worker killed by a signal
     if killed and (not errors or errors[0][0][0]):  # nothing but secondary errors
         node, rank, code = killed[0]
         name = signal.Signals(-code).name if -code in set(signal.Signals) else f"signal {-code}"
+        how = f"was killed by {name} (exit code {code}); the other ranks failed because it was gone"
+        traceback = ""
+    elif errors:
+        _, node, rank, info = errors[0]
+        summary = failed_ranks(run_dir, node, 200)
+        code = next((r["exit_code"] for r in summary if r["rank"] == rank), None)
+        traceback, line = info["traceback"], script_line(info["traceback"], run_dir)
+        how = f"failed (exit code {code}){line}: {info['message']}"
+    if killed or errors:
         return WorkerFailed(
-            f"Worker global rank {rank} on node {node} was killed by {name} (exit code {code}); "
-            "the other ranks failed because it was gone. The other nodes were stopped.",
+            f"Worker global rank {rank} on node {node} {how}. The other nodes were stopped.",
             node_rank=node,
             global_rank=rank,
             exit_code=code,
+            traceback=traceback,
             log_tail=log_tail(run_dir, node),
         )
-    if errors:
-        _, node, rank, info = errors[0]
-        summary = failed_ranks(run_dir, node, 200)
-        exit_code = next((r["exit_code"] for r in summary if r["rank"] == rank), None)
-        return WorkerFailed(
-            f"Worker global rank {rank} on node {node} failed (exit code {exit_code})"
-            f"{script_line(info['traceback'], run_dir)}: {info['message']}. The other nodes "
-            "were stopped.",
-            node_rank=node,
-            global_rank=rank,
-            exit_code=exit_code,
-            traceback=info["traceback"],
-            log_tail=log_tail(run_dir, node),
-        )
+    tail = log_tail(run_dir, node, 200)
     joined = re.search(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+)", tail)
     if joined or "RendezvousTimeoutError" in tail:
         counted = f" ({joined.group(1)} of {joined.group(2)} nodes joined)" if joined else ""

@@ -1,9 +1,6 @@
-"""Notebook 06's pitfalls: the classic DDP mistakes as variants of the worker script.
+"""Notebook 06's pitfalls: the classic DDP mistakes, each a small edit of the worker script.
 
-Each pitfall is a small edit of ``train_ddp.py`` (ddpnb's worker), marked ``# MISTAKE``.
-:func:`script` writes the variant and returns it as a :class:`~ddpnb.Script` to launch
-beside the correct worker, :func:`diff` shows the edit, and ``ddpnb.check_script`` names
-the mistake where it can see it. The correct worker holds no switch for any of them.
+Each edit is marked ``# MISTAKE``; the correct worker holds no switch for any of them.
 """
 
 from __future__ import annotations
@@ -23,11 +20,8 @@ from .text import diff
 
 
 class Pitfall:
-    """One classic mistake: what goes wrong, and the worker's lines it edits.
-
-    ``edits``: pairs of (a text found on exactly one line, what replaces that whole line at
-    its indentation; an empty replacement deletes the line), given flat: old, new, old, new.
-    """
+    """What goes wrong, and ``edits`` given flat: old, new, ...: a text found on exactly one line
+    of the worker, what replaces that whole line at its indentation (empty: deletes it)."""
 
     def __init__(self, harm: str, *edits: str) -> None:
         self.harm, self.edits = harm, tuple(zip(edits[::2], edits[1::2]))
@@ -103,14 +97,12 @@ def script(config: TrainConfig, name: str, folder: str | os.PathLike) -> Script:
 
 
 def _per_epoch_rank_mean(run, key: str) -> list[float]:
-    ranks = list(as_metrics(run).ranks.values())
-    epochs = min(len(records) for records in ranks)
-    return [sum(records[e][key] for records in ranks) / len(ranks) for e in range(epochs)]
+    epochs = zip(*as_metrics(run).ranks.values())  # each epoch's records, one a rank
+    return [sum(record[key] for record in epoch) / len(epoch) for epoch in epochs]
 
 
 def epoch_seconds(run) -> float:
-    """A rank's training seconds per epoch: the mean over ranks, the best (shortest) epoch,
-    because on a shared machine noise only ever adds time."""
+    """A rank's training seconds per epoch: the mean over ranks, the best (shortest) epoch."""
     return min(_per_epoch_rank_mean(run, "train_seconds"))
 
 
@@ -123,17 +115,16 @@ def plot_epoch_seconds(runs: Mapping[str, object]) -> Figure:
     """Bars of each rank's training seconds in the last epoch, one colour per run."""
     fig = Figure(figsize=(max(5, 1.5 * len(runs) + 3), 4), layout="constrained")
     ax = fig.subplots()
-    x, ticks, ticklabels = 0.0, [], []
+    x, ticks = 0.0, {}
     for i, (label, run) in enumerate(runs.items()):
         for rank, records in as_metrics(run).ranks.items():
             seconds = records[-1]["train_seconds"]
             ax.bar(x, seconds, color=f"C{i}", label=label if rank == 0 else None)
             ax.text(x, seconds, f"{seconds:.1f}", ha="center", va="bottom", fontsize=8)
-            ticks.append(x)
-            ticklabels.append(f"r{rank}")
+            ticks[x] = f"r{rank}"
             x += 1
         x += 0.8
-    ax.set_xticks(ticks, ticklabels)
+    ax.set_xticks(list(ticks), list(ticks.values()))
     ax.set(ylabel="seconds", title="Training time of one epoch, per rank (last epoch)")
     ax.legend(fontsize=8)
     return fig

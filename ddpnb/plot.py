@@ -10,6 +10,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
+from .constants import IMAGE_EXTENSIONS
+from .data import DatasetSummary, inspect_dataset
 from .tables import RunLike, _labelled, rank_table, scaling_table
 
 
@@ -18,11 +20,8 @@ def _runs(runs, labels) -> list:  # (label, RunMetrics); the default label: the 
 
 
 def label_log_axis(ax: Axes) -> None:
-    """Label a log-scale y axis at 1, 2 and 5 of each decade, as plain numbers (0.5, 2, 20).
-
-    Matplotlib labels only the powers of ten. Over many decades fewer labels are used; within
-    one, every multiple and 1.5. Call it after plotting: it reads the axis's limits.
-    """
+    """Label a log-scale y axis at 1, 2 and 5 of each decade as plain numbers (0.5, 2, 20); fewer
+    over many decades, more within one. Call it after plotting: it reads the axis's limits."""
     low, high = ax.get_ylim()
     decades = math.log10(high / low) if low > 0 and high > low else 0.0
     subs = (1.0, 2.0, 5.0) if decades <= 3.5 else (1.0, 3.0) if decades <= 6 else (1.0,)
@@ -34,10 +33,8 @@ def label_log_axis(ax: Axes) -> None:
 
 
 def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None = None) -> Figure:
-    """Loss and accuracy per epoch (train dashed, val solid) for one or more runs.
-
-    Epochs after a torchrun restart get a red ``x``. A script's run draws what it reported.
-    """
+    """Loss and accuracy per epoch (train dashed, val solid) for one or more runs; epochs after
+    a torchrun restart get a red ``x``. A script's run draws what it reported."""
     # Figure() rather than pyplot: no global state, no GUI backend, safe in threads.
     fig = Figure(figsize=(10, 4), layout="constrained")
     ax_loss, ax_acc = fig.subplots(1, 2)
@@ -54,8 +51,7 @@ def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None 
                 if e.get("restart_count", 0) > prev.get("restart_count", 0) and f"val_{key}" in e
             ]
             if resumed:
-                xs, ys = zip(*resumed)
-                ax.plot(xs, ys, "x", color="red", ms=10, mew=2, label=f"{label}: restart")
+                ax.plot(*zip(*resumed), "x", color="red", ms=10, mew=2, label=f"{label}: restart")
     # Log scale: an untrained first epoch can sit 100x above the rest.
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss (log)", title="Loss", yscale="log")
     label_log_axis(ax_loss)
@@ -75,21 +71,19 @@ def plot_throughput(
     runs = _runs(runs, labels)
     fig = Figure(figsize=(max(5, 1.6 * len(runs) + 3), 4), layout="constrained")
     ax = fig.subplots()
-    x, ticks, ticklabels = 0.0, [], []
+    x, ticks = 0.0, {}  # x: label
     for i, (label, run) in enumerate(runs):
         per_rank = {r: recs[-1]["images_per_second"] for r, recs in run.ranks.items() if recs}
         for r, ips in per_rank.items():
             ax.bar(x, ips, color=f"C{i}", alpha=0.6)
-            ticks.append(x)
-            ticklabels.append(f"r{r}")
+            ticks[x] = f"r{r}"
             x += 1
         total = run.final.get("images_per_second", 0.0)
         ax.bar(x, total, color=f"C{i}", label=f"{label} total")
         ax.text(x, total, f"{total:.0f}", ha="center", va="bottom", fontsize=8)
-        ticks.append(x)
-        ticklabels.append("all")
+        ticks[x] = "all"
         x += 1.8
-    ax.set_xticks(ticks, ticklabels)
+    ax.set_xticks(list(ticks), list(ticks.values()))
     ax.set(ylabel="training images/s", title="Throughput per rank and in total")
     ax.margins(y=0.12)  # room for the numbers above the bars
     # Beside the axes, not over them: inside, it covered the first total's number.
@@ -98,11 +92,8 @@ def plot_throughput(
 
 
 def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None = None) -> Figure:
-    """Throughput and scaling efficiency per run, and where each rank's epoch time goes.
-
-    Left: :func:`~ddpnb.tables.scaling_table`'s images/s and efficiency. Right: each rank's
-    last-epoch seconds split into data wait, compute and communication backward waited for.
-    """
+    """Left: :func:`~ddpnb.tables.scaling_table`'s images/s and efficiency per run. Right: each
+    rank's last-epoch seconds: data wait, compute, and communication backward waited for."""
     runs = _runs(runs, labels)
     labels = [label for label, _ in runs]
     fig = Figure(figsize=(11, 4), layout="constrained")
@@ -115,10 +106,9 @@ def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None
     ax_ips.set_xticks(range(len(runs)), labels)
     ax_ips.set(ylabel="training images/s (last epoch)", title="Throughput (efficiency vs first)")
     ax_ips.margins(y=0.2)
-
     parts = (("data_wait_seconds", "data wait"), ("compute_seconds", "compute"))
     parts += (("comm_seconds", "communication (not overlapped)"),)
-    x, ticks, ticklabels = 0.0, [], []
+    x, ticks = 0.0, {}  # x: label
     for label, run in runs:
         for row in rank_table(run, [key for key, _ in parts], last_epoch=True):
             bottom = 0.0
@@ -127,13 +117,12 @@ def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None
                 legend = None if ticks else name  # one legend entry per part
                 ax_split.bar(x, value, bottom=bottom, color=f"C{j + 3}", label=legend)
                 bottom += value
-            ticks.append(x)
-            ticklabels.append(f"{label}\nr{row['rank']}")
+            ticks[x] = f"{label}\nr{row['rank']}"
             x += 1
         x += 0.6
     ax_split.legend(fontsize=8, loc="upper center", ncol=3)
     ax_split.margins(y=0.15)
-    ax_split.set_xticks(ticks, ticklabels, fontsize=8)
+    ax_split.set_xticks(list(ticks), list(ticks.values()), fontsize=8)
     ax_split.set(ylabel="seconds in the last epoch", title="Where each rank's time goes")
     return fig
 
@@ -141,8 +130,6 @@ def plot_scaling(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None
 def plot_class_counts(data) -> Figure:
     """Grouped bars: images per class in ``train`` and ``val`` of a dataset folder or a
     :class:`~ddpnb.data.DatasetSummary` (then nothing is read again)."""
-    from .data import DatasetSummary, inspect_dataset
-
     if not isinstance(data, DatasetSummary):
         data = inspect_dataset(data, show=False, write_manifest=False)
     classes, counts = data.classes, data.counts
@@ -161,15 +148,11 @@ def plot_class_counts(data) -> Figure:
     return fig
 
 
-def plot_samples(
-    data_dir: str | os.PathLike, split: str = "train", per_class: int = 2, max_classes: int = 10
-) -> Figure:
-    """A grid of images from the files: the first ``per_class`` of each of ``max_classes``."""
+def plot_samples(data_dir: str | os.PathLike, per_class: int = 2, max_classes: int = 10) -> Figure:
+    """A grid of training images from the files: the first ``per_class`` of ``max_classes``."""
     from PIL import Image
 
-    from .constants import IMAGE_EXTENSIONS
-
-    root = os.path.join(data_dir, split)
+    root = os.path.join(data_dir, "train")
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
     shown = classes[:max_classes]
     fig = Figure(figsize=(1.3 * max(len(shown), 2), 1.5 * per_class), layout="constrained")

@@ -1,7 +1,6 @@
 """``check_script``: run a DDP script briefly on simulated nodes and name its classic mistakes.
 
-``ddpnb.observe`` records what each rank did; each finding names the script's line, what was
-measured, why it matters and the fix. What the run could not show is listed as not checked.
+Each finding names the script's line, what ``ddpnb.observe`` measured, why it matters and the fix.
 """
 
 from __future__ import annotations
@@ -9,8 +8,8 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import html
-import json
 import os
 import re
 import shutil
@@ -22,9 +21,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import observe, watch
 from .agent import is_loopback
 from .errors import DdpnbError, RunFailed, RunHung
 from .hang import Frame, RankState
+from .launch import launch
+from .metrics import read_jsonl
+from .script import Script, script_options
 
 WAIT_MARGIN_SECONDS = 30.0  # beyond the workers' own bound, before the check stops the run
 HANG_SECONDS = 10.0  # no rank moved, ranks in collectives: the check calls it a hang
@@ -99,10 +102,9 @@ FIX = {
 NOWHERE = "(not in the script's files)"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Finding:
-    """Mistake ``number`` at ``where`` (``file:line``); ``source``: that line's text (a
-    ``%%writefile`` cell counts its magic line, so the text is what finds the line)."""
+    """Mistake ``number`` at ``where`` (``file:line``); ``source``: that line's text."""
 
     number: int
     where: str
@@ -112,12 +114,8 @@ class Finding:
     source: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "why", self.why or WHY.get(self.number, ""))
-        object.__setattr__(self, "fix", self.fix or FIX[self.number])
-
-    @property
-    def title(self) -> str:
-        return TITLES[self.number]
+        self.why, self.fix = self.why or WHY.get(self.number, ""), self.fix or FIX[self.number]
+        self.title = TITLES[self.number]
 
 
 def _tr(*cells: str, tag: str = "td") -> str:
@@ -164,16 +162,15 @@ class ScriptReport:
         out = [f"ddpnb check-script: {self.summary()}", "", "Facts"]
         width = max((len(k) for k in self.facts), default=0)
         out += [f"  {k.ljust(width)}  {v}" for k, v in self.facts.items()]
+        wrap = functools.partial(textwrap.wrap, width=96)
         for f in self.findings:
             out += ["", f"Mistake {f.number}: {f.title}  [{f.where}]"]
             out += [f"  line  {f.source}"] if f.source else []
             for label, text in (("seen", f.seen), ("why", f.why), ("fix", f.fix)):
-                out += textwrap.wrap(
-                    text, 96, initial_indent=f"  {label:5}", subsequent_indent=" " * 7
-                )
+                out += wrap(text, initial_indent=f"  {label:5}", subsequent_indent=" " * 7)
         out += ["", "Checked"]
         for note in self.checked:
-            out += textwrap.wrap(note, 96, initial_indent="  - ", subsequent_indent="    ")
+            out += wrap(note, initial_indent="  - ", subsequent_indent="    ")
         if self.error is not None:
             out += ["", "The script could not run:", self.error.rstrip()]
         return "\n".join(out)
@@ -184,10 +181,8 @@ class ScriptReport:
             _tr(
                 str(i),
                 f"<b>{e(f.title)}</b><br><small>mistake {f.number}</small>",
-                f"<code>{e(f.where)}</code>"
-                + (f"<br><code>{e(f.source)}</code>" if f.source else ""),
-                e(f.seen),
-                e(f.why),
+                "<br>".join(f"<code>{e(x)}</code>" for x in (f.where, f.source) if x),
+                *map(e, (f.seen, f.why)),
                 f"<code>{e(f.fix)}</code>",
             )
             for i, f in enumerate(self.findings, 1)
@@ -221,10 +216,6 @@ def check_script(
     script ends ``steps`` optimizer steps into epoch 2 or ``seconds`` after its first step; each
     worker after ``timeout`` seconds. ConfigError (nothing started): invalid script or layout.
     """
-    from . import observe, watch
-    from .launch import launch
-    from .script import Script
-
     script = script if isinstance(script, Script) else Script(script)
     root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="ddpnb-check-"))
     observe_dir = root / "observe"
@@ -237,11 +228,23 @@ def check_script(
         observe.SECONDS_ENV: str(seconds),
         observe.TIMEOUT_ENV: str(timeout),
     }
-    started = time.monotonic()
+    started, error, hung = time.monotonic(), None, None
     try:
         job = launch(script, root / "run", nnodes, nproc_per_node, env=env, **LAUNCH)
         pids = set(job.pids())
-        error, hung = _wait(job, timeout + WAIT_MARGIN_SECONDS)
+        try:
+            job.wait(timeout=timeout + WAIT_MARGIN_SECONDS)
+        except RunHung as e:
+            hung = e
+        except RunFailed as e:
+            error = str(e)
+        except TimeoutError:
+            job.stop()
+            error = (
+                f"The script did not end within {timeout + WAIT_MARGIN_SECONDS:.0f} s, although "
+                "the check asks every rank to stop; it was stopped. A rank may be blocked "
+                "outside Python."
+            )
         records = load_records(observe_dir)
         pids |= {r["pid"] for rank in records.values() for r in rank if r["kind"] == "start"}
         report = analyse(records, root / "run", nnodes, nproc_per_node, error, hung)
@@ -253,35 +256,10 @@ def check_script(
     return report
 
 
-def _wait(job, timeout: float) -> tuple[str | None, RunHung | None]:
-    """Follow the run to its end: (why it did not end cleanly, or None; the hang, if it hung)."""
-    try:
-        job.wait(timeout=timeout)
-    except RunHung as e:
-        return None, e
-    except RunFailed as e:
-        return str(e), None
-    except TimeoutError:
-        job.stop()
-        return (
-            f"The script did not end within {timeout:.0f} s, although the check asks every "
-            "rank to stop; it was stopped. A rank may be blocked outside Python.",
-            None,
-        )
-    return None, None
-
-
 def load_records(folder: str | os.PathLike) -> dict[int, list[dict]]:
     """Every rank's records, by global rank."""
-    out = {}
-    for path in Path(folder).glob("rank-*.jsonl"):
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if records:
-            out[int(path.stem.split("-")[1])] = records
-    return dict(sorted(out.items()))
-
-
-# -- the records of one rank ------------------------------------------------------------
+    found = {int(p.stem.split("-")[1]): read_jsonl(p) for p in Path(folder).glob("rank-*.jsonl")}
+    return {rank: found[rank] for rank in sorted(found) if found[rank]}
 
 
 def _at(where: dict | None) -> str:
@@ -301,17 +279,19 @@ def _line_text(run_dir: Path, at: str) -> str:
     return lines[int(line) - 1].strip() if line.isdigit() and 0 < int(line) <= len(lines) else ""
 
 
-class _Rank:
+class _Rank(defaultdict):
+    """One rank's records by kind (``rank["init"]``), and what the checks ask of them."""
+
     def __init__(self, records: list[dict]) -> None:
-        self.kinds: dict[str, list[dict]] = defaultdict(list)
+        super().__init__(list)
         for r in records:
-            self.kinds[r["kind"]].append(r)
-        start = self.kinds["start"][0]
+            self[r["kind"]].append(r)
+        start = self["start"][0]
         self.rank = start["rank"]
         self.local_rank = int(start["env"].get("LOCAL_RANK") or 0)
-        self.passes = sorted(self.kinds["pass"], key=lambda p: p["pass"])
-        self.loaders = {r["id"]: r for r in self.kinds["loader"]}
-        self.samplers = {r["id"]: r for r in self.kinds["sampler"]}
+        self.passes = sorted(self["pass"], key=lambda p: p["pass"])
+        self.loaders = {r["id"]: r for r in self["loader"]}
+        self.samplers = {r["id"]: r for r in self["sampler"]}
         self.train = [p for p in self.passes if p["steps"] > 0]
         self.eval_passes = [
             p
@@ -319,26 +299,21 @@ class _Rank:
             if p["source"] == "loader" and p["steps"] == 0 and not (p["grad"] and p["training"])
         ]
 
-    def __getitem__(self, kind: str) -> list[dict]:
-        return self.kinds.get(kind, [])
-
     def sampler_pass(self, p: dict) -> dict | None:
         """The DistributedSampler pass that gave pass ``p`` its indices (or was ``p``)."""
         return next(
             (s for s in self["sampler_pass"] if p["pass"] in (s["loader_pass"], s["pass"])), None
         )
 
-    def levels(self, p: dict) -> list[list[int]] | None:
-        """The pass's indices at each Subset level (outermost first); None if none were seen."""
+    def levels(self, p: dict) -> tuple[list[list[int]] | None, list[dict]]:
+        """The pass's indices at each Subset level, outermost first (None if none were seen), and
+        the datasets of those levels."""
         if p["source"] == "loader":
-            return p["indices"] if p["indices"] and p["indices"][0] else None
-        s = self.sampler_pass(p)
-        return [s["indices"]] if s else None
-
-    def layers(self, p: dict) -> list[dict]:
-        if p["source"] == "loader":
-            return self.loaders.get(p["obj"], {}).get("layers") or []
-        return [{"len": self.samplers.get(p["obj"], {}).get("dataset_len"), "id": p["obj"]}]
+            indices = p["indices"] if p["indices"] and p["indices"][0] else None
+            return indices, self.loaders.get(p["obj"], {}).get("layers") or []
+        s, dataset = self.sampler_pass(p), self.samplers.get(p["obj"], {})
+        layer = {"len": dataset.get("dataset_len"), "id": p["obj"]}
+        return ([s["indices"]] if s else None), [layer]
 
     def epoch_done(self, k: int) -> bool:
         return any(e["epoch"] == k for e in self["epoch_end"]) or len(self.train) > k
@@ -348,11 +323,9 @@ class _Rank:
         p = self.train[0]
         if self.epoch_done(1):
             return str(p["steps"])
-        return (
-            f"{p['expected']} (len of the loader; epoch 1 not finished)"
-            if p.get("expected")
-            else "?"
-        )
+        if not p.get("expected"):
+            return "?"
+        return f"{p['expected']} (len of the loader; epoch 1 not finished)"
 
     def source(self, p: dict) -> tuple[dict, str]:
         """The record that made the pass (a loader or a sampler) and a short description."""
@@ -364,8 +337,7 @@ class _Rank:
 
 def _common(ranks: list[_Rank], passes: list[dict]) -> tuple[list[list[int]], int | None] | None:
     """The passes' indices and size at the first dataset level every rank shares (not a shard)."""
-    levels = [r.levels(p) for r, p in zip(ranks, passes)]
-    layers = [r.layers(p) for r, p in zip(ranks, passes)]
+    levels, layers = zip(*(r.levels(p) for r, p in zip(ranks, passes)))
     if any(lv is None for lv in levels):
         return None
     depth = min(len(lv) for lv in levels)
@@ -373,9 +345,6 @@ def _common(ranks: list[_Rank], passes: list[dict]) -> tuple[list[list[int]], in
         if all(len(la) > i and la[i] == layers[0][i] for la in layers):
             return [lv[i] for lv in levels], layers[0][i].get("len")
     return [lv[depth - 1] for lv in levels], None
-
-
-# -- the analysis: each check returns its findings and its notes of what it checked ----------
 
 
 def analyse(
@@ -386,7 +355,8 @@ def analyse(
     error: str | None = None,
     hung: RunHung | None = None,
 ) -> ScriptReport:
-    """The report of one observed run (``records``: :func:`load_records`)."""
+    """The report of one observed run (``records``: :func:`load_records`): each check below
+    returns its findings and its notes of what it checked."""
     ranks = [_Rank(r) for r in records.values() if any(x["kind"] == "start" for x in r)]
     world = nnodes * nproc_per_node
     layout = f"{nnodes} node(s) x {nproc_per_node} process(es)"
@@ -500,12 +470,8 @@ def _sharding(ranks: list[_Rank], world: int, run_dir: Path) -> list:
 
 def _set_epoch(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """2: a shuffling DistributedSampler must draw a new order every epoch."""
-    pairs = []
-    for r in ranks:
-        if len(r.train) >= 2:
-            first, second = (r.sampler_pass(p) for p in r.train[:2])
-            if first and second:
-                pairs.append((r, first, second))
+    pairs = [(r, *map(r.sampler_pass, r.train[:2])) for r in ranks if len(r.train) >= 2]
+    pairs = [(r, first, second) for r, first, second in pairs if first and second]
     if not pairs:
         trained = max((len(r.train) for r in ranks), default=0)
         reason = {0: _no_pass(ranks), 1: "only one epoch ran before the script ended"}.get(
@@ -653,13 +619,9 @@ def _eval_coverage(ranks: list[_Rank], passes: list[dict], world: int) -> list:
 
 def _saves(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """6: a file path written with torch.save by more than one rank."""
-    writers: dict[str, set[int]] = defaultdict(set)
-    where: dict[str, str] = {}
-    for r in ranks:
-        for s in r["save"]:
-            if s["path"]:
-                writers[s["path"]].add(r.rank)
-                where.setdefault(s["path"], _at(s["where"]))
+    saves = [(s["path"], r.rank, _at(s["where"])) for r in ranks for s in r["save"] if s["path"]]
+    writers = {path: {r for p, r, _ in saves if p == path} for path, _, _ in saves}
+    where = {path: at for path, _, at in reversed(saves)}  # each path's first torch.save
     if not writers:
         return ["Checkpoint writes: no torch.save before the check ended the script."]
     shared = {p: w for p, w in writers.items() if len(w) > 1}
@@ -718,16 +680,14 @@ def _rendezvous_findings(rank: _Rank, run_dir: Path):
         literal = _literal_args(run_dir, init["where"])
         for key in ("rank", "world_size"):
             value, env_value = init.get(key), env.get(key.upper())
-            if value is None:
-                continue
-            if str(value) != env_value:
+            if value is not None and str(value) != env_value:
                 seen = (
                     f"init_process_group({key}={value}) on the process torchrun started with "
                     f"{key.upper()}={env_value}; the check stopped it there (it would hang)."
                 )
                 why = f"Processes that disagree with torchrun about the {key.replace('_', ' ')} never form one group."
                 yield Finding(7, where, seen, why)
-            elif key in literal:
+            elif value is not None and key in literal:
                 seen = (
                     f"{key}={literal[key]} is written into the script; it equals torchrun's "
                     f"{key.upper()} in this check only because the check runs {env.get('WORLD_SIZE')} processes."
@@ -854,8 +814,6 @@ def _spawn(ranks: list[_Rank], world: int, run_dir: Path) -> list:
 
 def _parse_args(argv: list[str]):
     """(Script, check_script's keyword arguments) from the command line's words."""
-    from .script import Script, script_options
-
     parser = argparse.ArgumentParser(
         prog="ddpnb check-script",
         description="Run a DDP script briefly on simulated nodes and name its classic mistakes. "

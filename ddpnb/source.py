@@ -1,7 +1,6 @@
 """The worker's own source text, by name: what the notebooks print to show a DDP step.
 
-Stdlib only, so it never imports torch: it reads ``ddpnb/worker.py`` (the file copied into
-every run as ``train_ddp.py``) as text and finds its top-level definitions with ``ast``.
+Stdlib only (never imports torch): it reads ``ddpnb/worker.py`` as text and parses it with ``ast``.
 """
 
 from __future__ import annotations
@@ -10,8 +9,7 @@ import ast
 from pathlib import Path
 
 WORKER_PATH = Path(__file__).with_name("worker.py")
-#: The comment line that opens Part 2 of the worker (the machinery below the DDP story).
-PART2_BANNER = "# Part 2: the machinery"
+PART2_BANNER = "# Part 2: the machinery"  # the comment line that opens Part 2 of the worker
 
 
 def _definitions(text: str) -> dict[str, tuple[int, int]]:
@@ -25,9 +23,8 @@ def _definitions(text: str) -> dict[str, tuple[int, int]]:
 
 
 def worker_source(*names: str) -> str:
-    """The named top-level functions or classes of the worker, each sliced exactly from its
-    first decorator to its last line, joined by one blank line. An unknown name, or none, is a
-    ValueError listing the names there are."""
+    """The named top-level definitions of the worker, each sliced exactly (decorators included),
+    joined by one blank line. An unknown name, or none, is a ValueError listing the names."""
     text = WORKER_PATH.read_text()
     spans = _definitions(text)
     unknown = [name for name in names if name not in spans]
@@ -39,8 +36,7 @@ def worker_source(*names: str) -> str:
 
 
 def worker_part1_names() -> list[str]:
-    """Names of the worker's top-level definitions in Part 1 (above the Part 2 banner), in order:
-    ``['main', 'who_am_i', ...]``."""
+    """Names of the worker's top-level definitions above the Part 2 banner, in order."""
     text = WORKER_PATH.read_text()
     banner = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith(PART2_BANNER))
     return [name for name, (first, _) in _definitions(text).items() if first < banner]

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .demo import ipc_kernel_manager
 from .errors import ConfigError
 from .metrics import load_metrics, read_json
 from .tables import Table
@@ -66,22 +67,15 @@ def _text(value: Any) -> str:
     return json.dumps(value, default=str, separators=(",", ":"))
 
 
-def _shortened(name: str, raw: str) -> str:
-    return f"{name[: MAX_NAME - 9]}-{hashlib.sha1(raw.encode()).hexdigest()[:8]}"
-
-
-def _safe(text: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9._+=,-]", "_", text).lstrip(".") or "point"
-    return _shortened(name, text) if len(name) > MAX_NAME else name
-
-
 def point_names(points: Sequence[Mapping[str, Any]], default: str) -> list[str]:
     """A readable, file-system-safe, distinct name per point (``default`` without a grid)."""
     raw = [",".join(f"{k}={_text(v)}" for k, v in p.items()) or default for p in points]
-    names = [_safe(r) for r in raw]
+    hashed = lambda name, r: f"{name[: MAX_NAME - 9]}-{hashlib.sha1(r.encode()).hexdigest()[:8]}"
+    safe = [re.sub(r"[^A-Za-z0-9._+=,-]", "_", r).lstrip(".") or "point" for r in raw]
+    names = [hashed(n, r) if len(n) > MAX_NAME else n for n, r in zip(safe, raw)]
     for i, name in enumerate(names):
         if names.count(name) > 1:  # two values made safe alike: tell them apart
-            names[i] = _shortened(name, raw[i])
+            names[i] = hashed(name, raw[i])
     return names
 
 
@@ -143,22 +137,18 @@ def notebook_parameters(notebook: Path) -> dict[str, Any]:
 
 
 def _check_names(notebook: Path, known: dict, grid: Mapping, parameters: Mapping) -> None:
-    both = sorted(set(grid) & set(parameters))
-    if both:
+    if both := sorted(set(grid) & set(parameters)):
         raise ConfigError(
             f"{both[0]!r} is given both as a fixed parameter (-p) and as a grid axis (-g): "
             "keep one of them."
         )
-    unknown = [n for n in [*parameters, *grid] if n not in known]
-    if unknown and not known:
-        raise ConfigError(
-            f"{notebook} has no cell tagged 'parameters', so it takes none ({unknown[0]!r} "
-            "given): tag its first code cell 'parameters' (Jupyter: View > Cell Toolbar > Tags)."
-        )
-    if unknown:
+    if unknown := [n for n in [*parameters, *grid] if n not in known]:
         raise ConfigError(
             f"{notebook} has no parameter {unknown[0]!r}. Its parameters cell names: "
             f"{', '.join(known)}."
+            if known
+            else f"{notebook} has no cell tagged 'parameters', so it takes none ({unknown[0]!r} "
+            "given): tag its first code cell 'parameters' (Jupyter: View > Cell Toolbar > Tags)."
         )
     for name, values in grid.items():
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
@@ -173,21 +163,8 @@ def _check_names(notebook: Path, known: dict, grid: Mapping, parameters: Mapping
             )
 
 
-def _absolute(path: str | os.PathLike, cwd: Path) -> Path:
-    return Path(os.path.normpath(cwd / Path(path)))
-
-
-def plan(
-    notebook: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    grid: Mapping[str, Sequence[Any]] | None = None,
-    parameters: Mapping[str, Any] | None = None,
-    cwd: str | os.PathLike | None = None,
-) -> list[Point]:
-    """Every point of the sweep, checked; runs nothing. Raises ConfigError."""
-    cwd = Path(cwd or os.getcwd()).resolve()
-    notebook, out_dir = _absolute(notebook, cwd), _absolute(out_dir, cwd)
-    grid, parameters = dict(grid or {}), dict(parameters or {})
+def plan(notebook: Path, out_dir: Path, grid: dict, parameters: dict, cwd: Path) -> list[Point]:
+    """Every point of the sweep (absolute paths), checked; runs nothing. Raises ConfigError."""
     if not notebook.is_file():
         raise ConfigError(
             f"Notebook {notebook} does not exist: give the path of an .ipynb file "
@@ -202,7 +179,7 @@ def plan(
     }
     combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     points, seen = [], {}  # seen: (parameter, run directory) -> the point writing it
-    for name, values in zip(point_names(combos, _safe(notebook.stem)), combos):
+    for name, values in zip(point_names(combos, notebook.stem), combos):
         given = {**parameters, **values}
         for param in RUN_DIR_PARAMETERS:  # each point's runs inside its own folder
             if param in known and param not in given:
@@ -286,8 +263,6 @@ def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: s
     """Run one point (its folder cleared first) in a thread, so that Ctrl-C reaches this one;
     its record says how it went."""
     import papermill
-
-    from .demo import ipc_kernel_manager
 
     if point.folder.is_dir() and point.record():  # ours: a failed or redone point's runs
         shutil.rmtree(point.folder)
@@ -382,15 +357,14 @@ def _shown(path: Path) -> str:
 
 
 def _row(point: Point, status: str) -> dict:
-    record = point.record()
-    row: dict[str, Any] = {"point": point.name}
-    for name, value in point.parameters.items():
-        row[name if name not in RESULT_KEYS else f"parameter {name}"] = _text(value)
-    row.update(point.values)  # the grid's values keep their type (numbers line up right)
-    final = point.final()
+    record, final = point.record(), point.final()
+    params = {
+        (f"parameter {k}" if k in RESULT_KEYS else k): _text(v) for k, v in point.parameters.items()
+    }
     wall = record.get("wall_s")
     ran = isinstance(wall, (int, float)) and status != "not run"
-    return row | dict(
+    # The grid's values keep their type (numbers line up right).
+    return {"point": point.name, **params, **point.values} | dict(
         status=status,
         wall_s=round(wall, 1) if ran else "",
         **{k: final.get(k, "") for k in METRICS},
@@ -442,24 +416,21 @@ def sweep(
     kernel_name: str | None = None,
     cwd: str | os.PathLike | None = None,
 ) -> SweepResult:
-    """Run ``notebook`` with papermill once per point of ``grid``; gather one table.
+    """Run ``notebook`` with papermill once per point of ``grid`` (``{name: [values...]}``;
+    ``parameters`` hold for every point) into ``out_dir/<point>.ipynb`` and ``out_dir/<point>/``
+    (where ``run_dir`` or ``run_root`` point when not given); gather one table.
 
-    ``grid`` (``{name: [values...]}``) spans the points; ``parameters`` hold for every one.
-    A point such as ``batch_size=32,lr=0.1`` runs into ``out_dir/<point>.ipynb`` and
-    ``out_dir/<point>/`` (where ``run_dir`` or ``run_root`` point when not given).
-    ``overwrite``: redo the points done (a rerun skips them; failed ones rerun anyway) and
-    replace outputs a sweep did not write. ``timeout``: seconds per cell (``None``: no limit).
-    ``cwd``: the folder the notebooks run in, so relative paths mean what they mean here.
-
-    A failed point does not stop the others (``result.ok``); ``summary.csv`` is rewritten after
-    each. ConfigError comes before anything runs; Ctrl-C stops the running point, keeps the rest.
+    ``overwrite``: redo the points done (a rerun skips them, retries failed ones) and replace
+    outputs a sweep did not write. ``timeout``: seconds per cell (``None``: no limit). ``cwd``:
+    the folder the notebooks run in. A failed point does not stop the others (``result.ok``).
     """
-    points = plan(notebook, out_dir, grid, parameters, cwd)
-    source = _absolute(notebook, points[0].cwd)
+    cwd = Path(cwd or os.getcwd()).resolve()
+    source, out_dir = (Path(os.path.normpath(cwd / path)) for path in (notebook, out_dir))
+    grid, parameters = dict(grid or {}), dict(parameters or {})
+    points = plan(source, out_dir, grid, parameters, cwd)
     if not overwrite:
         _check_existing(points, source)
-    points[0].notebook.parent.mkdir(parents=True, exist_ok=True)
-    grid, parameters = dict(grid or {}), dict(parameters or {})
+    out_dir.mkdir(parents=True, exist_ok=True)
     statuses: dict[str, str] = {}
     for i, point in enumerate(points, 1):
         if point.is_done() and not overwrite:

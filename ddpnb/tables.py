@@ -1,7 +1,4 @@
-"""Tables and summaries of finished runs: pure functions of run directories, without torch.
-
-:mod:`ddpnb.plot` draws from the same functions, so a table and its plot agree.
-"""
+"""Tables of finished runs: pure functions of run directories (no torch), which plot.py draws."""
 
 from __future__ import annotations
 
@@ -20,13 +17,7 @@ RANK_KEYS = ("node_rank", "local_rank", "train_samples", "val_samples", "images_
 
 
 class Table(list):
-    """A list of row dicts that prints as an aligned text table.
-
-    >>> print(Table([{"layout": "1x1", "images/s": 310}, {"layout": "1x2", "images/s": 290}]))
-    layout  images/s
-    1x1          310
-    1x2          290
-    """
+    """A list of row dicts that prints as an aligned text table (numbers right, words left)."""
 
     def _cells(self) -> list[list[str]]:  # the header, then each row's cells
         header = list(dict.fromkeys(k for row in self for k in row))
@@ -35,7 +26,6 @@ class Table(list):
     def __str__(self) -> str:
         cells = self._cells()
         widths = [max(map(len, column)) for column in zip(*cells)]
-        # Numbers line up on the right, words (labels, hashes) on the left.
         left = [any(isinstance(row.get(k), str) for row in self) for k in cells[0]]
         lines = (
             "  ".join(c.ljust(w) if lj else c.rjust(w) for c, w, lj in zip(row, widths, left))
@@ -87,11 +77,8 @@ def rank_table(
     *,
     last_epoch: bool = False,
 ) -> Table:
-    """One row per run, epoch and global rank, with those keys of the per-rank records.
-
-    ``runs`` is one run, or a ``{label: run}`` mapping (then a ``run`` column comes
-    first). ``last_epoch`` keeps each rank's last record only.
-    """
+    """One row per run, epoch and global rank: those keys of the per-rank records. A
+    ``{label: run}`` mapping adds a ``run`` column; ``last_epoch`` keeps each rank's last record."""
     keys = list(keys)
     table = Table()
     for label, m in _labelled(runs):
@@ -127,11 +114,8 @@ def run_table(
 
 
 def samples_seen(run: RunLike) -> dict[str, int]:
-    """Training and validation images summed over every rank's last epoch.
-
-    The validation sum equals the split exactly when each image is counted once; the
-    training sum may exceed the split by ``DistributedSampler``'s padding.
-    """
+    """Training and validation images summed over every rank's last epoch (training: with
+    ``DistributedSampler``'s padding; validation: the split, when each image counts once)."""
     last = [records[-1] for records in as_metrics(run).ranks.values() if records]
     return {split: sum(r[f"{split}_samples"] for r in last) for split in ("train", "val")}
 
@@ -139,11 +123,8 @@ def samples_seen(run: RunLike) -> dict[str, int]:
 def scaling_table(
     runs: Sequence[RunLike] | Mapping[str, RunLike], labels: Sequence[str] | None = None
 ) -> Table:
-    """Per run: images/s, efficiency against the first run, communication share, val_acc.
-
-    ``efficiency`` is images/s over the first run's images/s; ``communication share``
-    is the part of all ranks' last-epoch seconds spent waiting for gradients.
-    """
+    """Per run: images/s, efficiency (over the first run's images/s), val_acc, and the
+    communication share: the part of all ranks' last-epoch seconds spent waiting for gradients."""
     labelled = _labelled(runs, labels)
     base = (labelled[0][1].final.get("images_per_second") if labelled else None) or 1.0
     table = Table()

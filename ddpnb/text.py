@@ -9,7 +9,6 @@ import shlex
 from pathlib import Path
 
 WIDTH = 88  # longer lines are split; a notebook's output area wraps at about this width
-INDENT = "    "
 _ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # NAME=value before a command (env, export)
 
 
@@ -18,8 +17,7 @@ def _is_option(token: str) -> bool:
 
 
 def _groups(tokens: list[str]) -> list[list[str]]:
-    """Tokens grouped into lines: an option with its separate value (``-o X``, ``--config
-    PATH``), an environment assignment, or a run of plain words (``cd DIR && exec env``)."""
+    """Tokens grouped into lines: an option with its separate value, an assignment, plain words."""
     groups: list[list[str]] = []
     for token in tokens:
         prev = groups[-1][-1] if groups else None
@@ -35,23 +33,18 @@ def _groups(tokens: list[str]) -> list[list[str]]:
 
 
 def wrap_command(line: str, width: int = WIDTH) -> str:
-    """``line`` split into one option per line with ``\\`` continuations when longer than
-    ``width``; each part stays whole (``--master_addr=10.0.0.1``, a quoted argument), a trailing
-    ``  # comment`` stays on the last line, and pasted into a shell it runs the same command."""
+    """``line`` split one option per line with ``\\`` continuations when longer than ``width``;
+    pasted into a shell it runs the same command (a trailing ``  # comment`` stays last)."""
     if len(line) <= width or line.lstrip().startswith("#"):
         return line
     margin = line[: len(line) - len(line.lstrip())]
     command, sep, comment = line.strip().partition("  # ")
-    lexer = shlex.shlex(command, posix=False)
-    lexer.whitespace_split, lexer.commenters = True, ""
     try:
-        tokens = list(lexer)
+        tokens = shlex.split(command, posix=False)
     except ValueError:  # unbalanced quotes: not a command line we can split safely
         return line
     lines = [" ".join(group) for group in _groups(tokens)]
-    out = [margin + lines[0]] + [margin + INDENT + part for part in lines[1:]]
-    out[-1] += sep + comment
-    return " \\\n".join(out)
+    return margin + f" \\\n{margin}    ".join(lines) + sep + comment
 
 
 def wrap_commands(text: str, width: int = WIDTH) -> str:
@@ -64,7 +57,5 @@ def diff(before: str | os.PathLike, after: str | os.PathLike, context: int = 3, 
     if names is None:
         names = (str(before), str(after))
         before, after = Path(before).read_text(), Path(after).read_text()
-    lines = difflib.unified_diff(
-        str(before).splitlines(True), str(after).splitlines(True), *names, n=context
-    )
-    return "".join(lines)
+    texts = (str(before).splitlines(True), str(after).splitlines(True))
+    return "".join(difflib.unified_diff(*texts, *names, n=context))
