@@ -148,11 +148,13 @@ def plot_class_counts(data) -> Figure:
     return fig
 
 
-def plot_samples(data_dir: str | os.PathLike, per_class: int = 2, max_classes: int = 10) -> Figure:
-    """A grid of training images from the files: the first ``per_class`` of ``max_classes``."""
+def plot_samples(
+    data_dir: str | os.PathLike, split: str = "train", per_class: int = 2, max_classes: int = 10
+) -> Figure:
+    """A grid of images from the files: the first ``per_class`` of each of ``max_classes``."""
     from PIL import Image
 
-    root = os.path.join(data_dir, "train")
+    root = os.path.join(data_dir, split)
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
     shown = classes[:max_classes]
     fig = Figure(figsize=(1.3 * max(len(shown), 2), 1.5 * per_class), layout="constrained")
