@@ -1,8 +1,6 @@
-"""Where every rank is, and whether the run hangs: read from the workers' snapshots.
+"""Where every rank is, and whether the run hangs: read from the workers' snapshots (``ddpnb.watch``).
 
-From ``RUN_DIR/.ddpnb/watch/rank-<R>.json`` (``ddpnb.watch``): :class:`Stacks`, each rank's line
-and what it waits in, and a :class:`Verdict` once nothing moves: every rank in a collective (or
-ended) **hangs**; some waiting while others work is a **slow** phase, never called a bug.
+Every rank in a collective (or ended) **hangs**; some waiting while others work is a **slow** phase.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from pathlib import Path
 from .errors import RunDirError
 from .metrics import read_json
 from .script import HOOKS_DIR  # in the run directory: ddpnb's hooks, on every worker's PYTHONPATH
+from .watch import DIR_ENV, INTERVAL_ENV
 
 WATCH_DIR = Path(HOOKS_DIR) / "watch"  # the ranks' snapshots
 HOOKS = {
@@ -131,7 +130,7 @@ class RankState:
         return f"rank {self.rank} is {self.doing} at {self.where()}"
 
 
-TITLES = {"hang": "the run hangs", "slow": "a slow phase", "quiet": "no progress", "ok": "running"}
+TITLES = {"hang": "The run hangs", "slow": "Slow phase", "quiet": "No progress", "ok": "Running"}
 
 
 @dataclasses.dataclass
@@ -143,10 +142,6 @@ class Verdict:
     quiet_for: float = 0.0
     # For a hang: "different" collectives, a rank "ended", "spawn", or the "same" on every rank.
     cause: str = ""
-
-    @property
-    def title(self) -> str:
-        return TITLES[self.kind]
 
 
 # Why the ranks stand still, by verdict kind or hang cause (after each rank's line).
@@ -222,14 +217,8 @@ def hooks_payload() -> dict[str, bytes]:
 
 def watch_env(node_dir: str, interval: float, pythonpath: str | None = None) -> dict[str, str]:
     """The variables that load the hooks into a node's workers (``pythonpath``: kept after ours)."""
-    from .watch import DIR_ENV, INTERVAL_ENV
-
-    path = [f"{node_dir}/{HOOKS_DIR}", *filter(None, [pythonpath])]
-    return {
-        "PYTHONPATH": os.pathsep.join(path),
-        DIR_ENV: f"{node_dir}/{WATCH_DIR}",
-        INTERVAL_ENV: f"{interval:g}",
-    }
+    path = os.pathsep.join([f"{node_dir}/{HOOKS_DIR}", *filter(None, [pythonpath])])
+    return {"PYTHONPATH": path, DIR_ENV: f"{node_dir}/{WATCH_DIR}", INTERVAL_ENV: f"{interval:g}"}
 
 
 def read_ranks(
@@ -268,7 +257,7 @@ class Stacks:
     def __str__(self) -> str:
         out = [f"ddpnb stacks: {self.run_dir}"]
         if self.verdict.message:
-            out += ["", f"{self.verdict.title.capitalize()}: {self.verdict.message}"]
+            out += ["", f"{TITLES[self.verdict.kind]}: {self.verdict.message}"]
         return "\n".join([*out, "", self.per_rank()])
 
     __repr__ = __str__
@@ -290,7 +279,7 @@ class Stacks:
         rows = [row("th", ("rank", "node", "where", "stack"))] + [
             row("td", (r.rank, f"{r.node} ({e(r.host)})", e(r.line()), pre(r))) for r in self.ranks
         ]
-        message = f"<p><b>{e(v.title.capitalize())}</b>: {e(v.message)}</p>" if v.message else ""
+        message = f"<p><b>{e(TITLES[v.kind])}</b>: {e(v.message)}</p>" if v.message else ""
         return f"<div class='ddpnb-stacks'>{message}<table>{''.join(rows)}</table></div>"
 
 
@@ -329,10 +318,10 @@ def stacks(run_dir: str | os.PathLike, limit: float = 60.0) -> Stacks:
         raise RunDirError(f"{run_dir} {what}. Pass the run directory of a running job.")
     ranks = [_gone(r) for r in ranks]
     if all(r.state != "running" for r in ranks):
-        newest = min(r.age for r in ranks)
         raise RunDirError(
-            f"The run in {run_dir} has ended (its last stack is {newest:.0f} s old): no rank "
-            "is running. Its logs are in logs/; a failure is in the node logs' tracebacks."
+            f"The run in {run_dir} has ended (its last stack is {min(r.age for r in ranks):.0f} s "
+            "old): no rank is running. Its logs are in logs/; a failure is in the node logs' "
+            "tracebacks."
         )
     silent = [r for r in ranks if r.state == "silent"]
     if silent:
@@ -349,12 +338,11 @@ def stacks(run_dir: str | os.PathLike, limit: float = 60.0) -> Stacks:
 
 def _gone(r: RankState) -> RankState:
     """A running rank of this machine whose process no longer exists has ended."""
-    if r.state != "running" or r.host != socket.gethostname():
-        return r
-    try:
-        os.kill(r.pid, 0)
-    except ProcessLookupError:
-        return dataclasses.replace(r, state="ended")
-    except OSError:
-        pass
+    if r.state == "running" and r.host == socket.gethostname():
+        try:
+            os.kill(r.pid, 0)
+        except ProcessLookupError:
+            return dataclasses.replace(r, state="ended")
+        except OSError:  # another user's process has its pid: it runs
+            pass
     return r

@@ -1,27 +1,25 @@
 """Watch a DDP script from inside its workers, changing neither the script nor what it computes.
 
-Copied into the run as ``ddpnb_observe``; ``ddpnb.site_hooks`` calls :func:`activate` at start-up
-and :func:`install` once the script imports torch. Each worker writes one JSON record a line to
-``$DDPNB_OBSERVE/rank-<RANK>.jsonl``, ``kind`` naming it and ``where`` the script's line:
-``init``, ``setenv``, ``ddp``, ``loader``, ``sampler``, ``set_epoch``, ``pass`` (one pass over a
-DataLoader or DistributedSampler: indices, grad mode, steps fed), ``step`` (parameter checksums),
-``save``, ``device``, ``collectives`` (all, in order). It ends the script with status 0: all
-ranks stop at the step a stop file names (a few steps into epoch 2, or at a time bound); a
-watchdog ends a rank blocked in a collective. Standard library and torch only.
+Loaded as ``ddpnb_observe`` by ``ddpnb.site_hooks``: each worker writes JSON records (``kind``; the
+script's line in ``where``) to ``$DDPNB_OBSERVE/rank-<RANK>.jsonl`` for ``ddpnb.scriptcheck``. All
+ranks leave with status 0 at the step a stop file names; a watchdog ends a rank blocked in a collective.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import inspect
+import itertools
 import json
 import os
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 try:  # in a worker, ddpnb's hooks are top-level modules side by side (RUN_DIR/.ddpnb/)
     from ddpnb_watch import main_stack, user_file
@@ -32,7 +30,6 @@ DIR_ENV = "DDPNB_OBSERVE"  # the folder for the records; unset: nothing is obser
 STEPS_ENV = "DDPNB_OBSERVE_STEPS"  # optimizer steps into the second epoch before stopping
 SECONDS_ENV = "DDPNB_OBSERVE_SECONDS"  # seconds of training (from the first step) at most
 TIMEOUT_ENV = "DDPNB_OBSERVE_TIMEOUT"  # seconds a worker may live at most
-OWNER_ENV = "DDPNB_OBSERVE_OWNER"  # the observed process's pid: its children are not observed
 STOP_FILE = "stop.json"
 GRACE_SECONDS = 8.0  # after a stop is requested, a rank still running is ended
 EPOCH_WAIT_SECONDS = 3.0  # how long a rank that ended an epoch waits for the others to end it
@@ -61,7 +58,14 @@ def activate(folder: str) -> None:
     threading.Thread(target=active.watch, name="ddpnb-observe", daemon=True).start()
     atexit.register(active.finish, "exit")
     sys.excepthook = active.excepthook
-    _patch_environ()
+
+    @_patch(type(os.environ), "__setitem__")
+    def __setitem__(original, self, key, value):
+        """Record the script's writes of MASTER_ADDR, RANK and the like to os.environ."""
+        original(self, key, value)
+        where = active.where() if self is os.environ and key in ENV_KEYS else None
+        if where is not None:
+            active.write({"kind": "setenv", "key": key, "value": value, "where": where})
 
 
 def install(torch) -> None:
@@ -80,12 +84,11 @@ def install(torch) -> None:
 class _Pass:
     """One pass over a DataLoader or a DistributedSampler: what it drew and what it fed."""
 
-    counter = 0
+    ids = itertools.count(1)
     KEYS = "source obj grad training expected n batches batch_sizes steps exhausted".split()
 
     def __init__(self, source: str, obj: str, grad: bool, training) -> None:
-        _Pass.counter += 1
-        self.id = _Pass.counter
+        self.id = next(_Pass.ids)
         self.source, self.obj, self.grad, self.training = source, obj, grad, training
         self.expected: int | None = None  # len(loader): the batches it holds
         self.subsets: list = []  # the index lists of the Subsets around the loader's dataset
@@ -116,7 +119,7 @@ class _Pass:
         return {"kind": "pass", "pass": self.id, **fields, "indices": indices}
 
 
-def _read(path: str, parse):
+def _read(path: Path, parse):
     try:
         with open(path) as f:
             return parse(f.read())
@@ -128,11 +131,11 @@ class _Observer:
     """This worker's records, its passes, and the stop."""
 
     def __init__(self, folder: str) -> None:
-        self.folder, self.rank, self.pid = folder, int(os.environ["RANK"]), os.getpid()
+        self.folder, self.rank, self.pid = Path(folder), int(os.environ["RANK"]), os.getpid()
         self.t0 = time.monotonic()
         self.lock = threading.RLock()
-        self.file = open(self.path(f"rank-{self.rank}.jsonl"), "a", buffering=1)
-        self.ids: dict[str, int] = {}
+        self.file = open(self.folder / f"rank-{self.rank}.jsonl", "a", buffering=1)
+        self.ids = {"L": itertools.count(1), "S": itertools.count(1)}
         self.open_passes: dict[str, _Pass] = {}
         self.current: _Pass | None = None  # the pass whose batches the next step trains on
         self.fetching: _Pass | None = None  # a loader pass drawing indices right now
@@ -150,9 +153,6 @@ class _Observer:
         self.timeout = float(os.environ.get(TIMEOUT_ENV, "60"))
         env = {k: os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")}
         self.write({"kind": "start", "rank": self.rank, "pid": self.pid, "env": env})
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.folder, name)
 
     def write(self, record: dict) -> None:
         if os.getpid() != self.pid or self.finished:
@@ -174,27 +174,26 @@ class _Observer:
         """The record of a DataLoader or DistributedSampler: its id, line, attributes ``names``."""
         fields = {**{k: getattr(obj, k) for k in names.split()}, **fields}
         prefix = "L" if kind == "loader" else "S"
-        self.write({"kind": kind, "id": self.new_id(obj, prefix), "where": self.where(), **fields})
+        self.write({"kind": kind, "id": self.id_of(obj, prefix), "where": self.where(), **fields})
 
-    def new_id(self, obj, prefix: str) -> str:
-        self.ids[prefix] = self.ids.get(prefix, 0) + 1
-        obj.__dict__["_ddpnb_id"] = f"{prefix}{self.ids[prefix]}"
+    def id_of(self, obj, prefix: str) -> str:
+        """A DataLoader's id ("L1", "L2", ...) or a DistributedSampler's ("S1", ...)."""
+        if "_ddpnb_id" not in obj.__dict__:
+            obj.__dict__["_ddpnb_id"] = f"{prefix}{next(self.ids[prefix])}"
         return obj.__dict__["_ddpnb_id"]
 
     def open_pass(self, source: str, obj_id: str) -> _Pass:
         with self.lock:
-            previous = self.open_passes.pop(obj_id, None)
-            if previous is not None:
-                self.pass_ended(previous)
+            self.pass_ended(self.open_passes.pop(obj_id, None))
             training = bool(self.ddp_modules[-1].training) if self.ddp_modules else None
             p = _Pass(source, obj_id, self.torch.is_grad_enabled(), training)
             self.open_passes[obj_id] = self.current = p
             return p
 
-    def pass_ended(self, p: _Pass) -> None:
+    def pass_ended(self, p: _Pass | None) -> None:
         """Write a finished pass at once: a rank that then hangs in a collective keeps it."""
         with self.lock:
-            if not p.written:
+            if p is not None and not p.written:
                 self.write(p.record())
                 p.written = True
 
@@ -204,16 +203,15 @@ class _Observer:
         if p.id not in self.train_passes:
             return
         epoch = self.train_passes.index(p.id) + 1
-        mine = self.path(f"epoch-{epoch}.rank-{self.rank}")
-        with open(mine + ".tmp", "w") as f:
-            f.write(str(p.steps))
-        os.replace(mine + ".tmp", mine)
+        mine = self.folder / f"epoch-{epoch}.rank-{self.rank}"
+        Path(f"{mine}.tmp").write_text(str(p.steps))
+        os.replace(f"{mine}.tmp", mine)
         self.write({"kind": "epoch_end", "epoch": epoch, "steps": p.steps, "pass": p.id})
         world = int(os.environ.get("WORLD_SIZE", "1"))
         counts: dict[int, int] = {}
         deadline = time.monotonic() + EPOCH_WAIT_SECONDS
         while time.monotonic() < deadline:
-            read = {r: _read(self.path(f"epoch-{epoch}.rank-{r}"), int) for r in range(world)}
+            read = {r: _read(self.folder / f"epoch-{epoch}.rank-{r}", int) for r in range(world)}
             counts = {r: n for r, n in read.items() if n is not None}
             if len(counts) == world or self.read_stop() is not None:
                 break
@@ -253,19 +251,16 @@ class _Observer:
 
     def read_stop(self) -> dict | None:
         if self.stop_at is None:
-            self.stop_at = _read(self.path(STOP_FILE), json.loads)
+            self.stop_at = _read(self.folder / STOP_FILE, json.loads)
         return self.stop_at
 
     def request_stop(self, step: int | None, reason: str) -> dict:
         """Ask every rank to stop after optimizer step ``step`` (None: at once); first ask wins."""
-        tmp = self.path(f".stop-{self.rank}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"step": step, "reason": reason, "rank": self.rank}, f)
-        try:
-            os.link(tmp, self.path(STOP_FILE))  # atomic, and only once
-        except FileExistsError:
-            pass
-        os.unlink(tmp)
+        tmp = self.folder / f".stop-{self.rank}.tmp"
+        tmp.write_text(json.dumps({"step": step, "reason": reason, "rank": self.rank}))
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, self.folder / STOP_FILE)  # atomic, and only once
+        tmp.unlink()
         self.stop_at = None
         return self.read_stop()
 
@@ -297,7 +292,7 @@ class _Observer:
         while not self.finished:
             time.sleep(0.2)
             now = time.monotonic()
-            if self.stop_seen is None and os.path.exists(self.path(STOP_FILE)):
+            if self.stop_seen is None and (self.folder / STOP_FILE).exists():
                 self.stop_seen = now
             if self.stop_seen is None and now - self.t0 > self.timeout:
                 self.request_stop(None, f"time bound of {self.timeout:g} s")
@@ -307,7 +302,7 @@ class _Observer:
                 self.end("ended by the check's watchdog (another rank had stopped)")
 
     def excepthook(self, kind, value, tb) -> None:
-        if os.path.exists(self.path(STOP_FILE)):
+        if (self.folder / STOP_FILE).exists():
             self.end(f"ended after a peer stopped ({kind.__name__})")  # its peer left
         self.write({"kind": "exception", "type": kind.__name__, "message": str(value)[:2000]})
         self.finish("exception")
@@ -437,8 +432,7 @@ def _hook_loader(obs: _Observer, torch) -> None:
 
     @_patch(DataLoader, "__iter__")
     def __iter__(original, self):
-        obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "L")
-        p = obs.open_pass("loader", obj_id)
+        p = obs.open_pass("loader", obs.id_of(self, "L"))
         p.subsets = self.__dict__.get("_ddpnb_subsets", [])
         p.expected = _len(self)
         obs.fetching = p  # a multi-process iterator draws its first indices in here
@@ -491,7 +485,7 @@ def _hook_sampler(obs: _Observer, torch) -> None:
     @_patch(DistributedSampler, "__iter__")
     def __iter__(original, self):
         indices = list(original(self))
-        obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "S")
+        obj_id = obs.id_of(self, "S")
         inner = obs.fetching  # drawn by a DataLoader pass, or iterated by the script
         p = None if inner is not None else obs.open_pass("sampler", obj_id)
         obs.write(
@@ -602,15 +596,3 @@ def _hook_devices(obs: _Observer, torch) -> None:
         except Exception:  # the original call reports bad arguments itself
             pass
         return original(self, *args, **kwargs)
-
-
-def _patch_environ() -> None:
-    """Record the script's writes of MASTER_ADDR, RANK and the like to os.environ."""
-
-    @_patch(type(os.environ), "__setitem__")
-    def __setitem__(original, self, key, value):
-        original(self, key, value)
-        if self is os.environ and key in ENV_KEYS and active is not None:
-            where = active.where()
-            if where is not None:
-                active.write({"kind": "setenv", "key": key, "value": value, "where": where})
