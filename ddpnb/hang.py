@@ -103,11 +103,6 @@ class RankState:
         backward = self.process_group and any(fn in BACKWARD for _, fn in paths)
         return named or ("DDP's gradient all-reduce inside backward" if backward else None)
 
-    @property
-    def doing(self) -> str:
-        """What a rank outside any collective is doing, as far as its frames tell."""
-        return _match(self._paths(), WORK) or "working outside any collective"
-
     def where(self) -> str:
         """``train.py:21 (dist.barrier())``: the user's innermost line and its text."""
         f = self.mine
@@ -127,7 +122,23 @@ class RankState:
         waits = self.waits_in
         if waits:
             return f"rank {self.rank} waits in {waits} at {self.where()}"
-        return f"rank {self.rank} is {self.doing} at {self.where()}"
+        doing = _match(self._paths(), WORK) or "working outside any collective"
+        return f"rank {self.rank} is {doing} at {self.where()}"
+
+    def stack(self) -> list[str]:
+        """The user's frames (file:line and the call), torch's and Python's folded into one line."""
+        out = []
+        for mine, group in itertools.groupby(self.frames, key=lambda f: f.mine):
+            frames = list(group)
+            if mine:
+                out += [f"{f.at} in {f.function}: {f.source}" for f in frames]
+            else:
+                inner = frames[-1]
+                out.append(
+                    f"... {len(frames)} frame(s) of torch/Python, innermost {inner.function} "
+                    f"({Path(inner.file).name}:{inner.line})"
+                )
+        return out
 
 
 TITLES = {"hang": "The run hangs", "slow": "Slow phase", "quiet": "No progress", "ok": "Running"}
@@ -221,11 +232,9 @@ def watch_env(node_dir: str, interval: float, pythonpath: str | None = None) -> 
     return {"PYTHONPATH": path, DIR_ENV: f"{node_dir}/{WATCH_DIR}", INTERVAL_ENV: f"{interval:g}"}
 
 
-def read_ranks(
-    run_dir: str | os.PathLike, since: float = 0.0, now: float | None = None
-) -> list[RankState]:
+def read_ranks(run_dir: str | os.PathLike, since: float = 0.0) -> list[RankState]:
     """Every rank's latest snapshot of the last attempt; ``since`` drops earlier launches'."""
-    now = time.time() if now is None else now
+    now = time.time()
     # A file being replaced reads as {}: the next read has it.
     records = [read_json(p) for p in sorted((Path(run_dir) / WATCH_DIR).glob("rank-*.json"))]
     records = [r for r in records if r and r.get("time", 0) >= since - CLOCK_SKEW]
@@ -267,7 +276,7 @@ class Stacks:
         out = []
         for r in self.ranks:
             out += [f"{r.line()}  [node {r.node} on {r.host}, pid {r.pid}]"]
-            out += [f"    {line}" for line in _stack_lines(r)]
+            out += [f"    {line}" for line in r.stack()]
         return "\n".join(out)
 
     def _repr_html_(self) -> str:
@@ -275,7 +284,7 @@ class Stacks:
         row = lambda tag, cells: (
             "<tr>" + "".join(f"<{tag} style='text-align:left'>{c}</{tag}>" for c in cells) + "</tr>"
         )
-        pre = lambda r: f"<pre style='margin:0'>{e(chr(10).join(_stack_lines(r)))}</pre>"
+        pre = lambda r: f"<pre style='margin:0'>{e(chr(10).join(r.stack()))}</pre>"
         rows = [row("th", ("rank", "node", "where", "stack"))] + [
             row("td", (r.rank, f"{r.node} ({e(r.host)})", e(r.line()), pre(r))) for r in self.ranks
         ]
@@ -283,29 +292,10 @@ class Stacks:
         return f"<div class='ddpnb-stacks'>{message}<table>{''.join(rows)}</table></div>"
 
 
-def _stack_lines(r: RankState) -> list[str]:
-    """The user's frames (file:line and the call), torch's and Python's folded into one line."""
-    out = []
-    for mine, group in itertools.groupby(r.frames, key=lambda f: f.mine):
-        frames = list(group)
-        if mine:
-            out += [f"{f.at} in {f.function}: {f.source}" for f in frames]
-        else:
-            inner = frames[-1]
-            out.append(
-                f"... {len(frames)} frame(s) of torch/Python, innermost {inner.function} "
-                f"({Path(inner.file).name}:{inner.line})"
-            )
-    return out
-
-
 def stacks(run_dir: str | os.PathLike, limit: float = 60.0) -> Stacks:
     """Where every rank of the run in ``run_dir`` is now (``ddpnb stacks RUN_DIR``).
 
     Raises RunDirError when there is no run, it has ended, or a node's ranks stopped reporting.
-
-    >>> print(stacks("runs/mine"))   # doctest: +SKIP
-    rank 0 waits in barrier at train.py:21 (dist.barrier())  [node 0 on gpu1, pid 4242]
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

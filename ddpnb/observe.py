@@ -73,8 +73,8 @@ def install(torch) -> None:
     if active is None:
         return
     active.torch = torch
-    hooks = (_hook_init, _hook_ddp, _hook_loader, _hook_sampler, _hook_steps, _hook_save)
-    for hook in (*hooks, _hook_collectives, _hook_spawn, _hook_devices):
+    hooks = (_hook_start, _hook_ddp, _hook_loader, _hook_sampler, _hook_steps, _hook_collectives)
+    for hook in (*hooks, _hook_devices):
         try:
             hook(active, torch)
         except Exception as e:  # an older or newer torch: observe what can be observed
@@ -198,8 +198,7 @@ class _Observer:
                 p.written = True
 
     def train_pass_ended(self, p: _Pass) -> None:
-        """At the end of a training epoch, wait briefly for every rank to end the same one:
-        uneven epochs would block a rank in DDP's all-reduce while peers start other collectives."""
+        """Wait briefly for every rank to end this training epoch too: uneven ones would hang."""
         if p.id not in self.train_passes:
             return
         epoch = self.train_passes.index(p.id) + 1
@@ -352,8 +351,10 @@ def _subsets(dataset, subset_type) -> tuple[list, list[dict]]:
     return chosen, [*layers, {"len": _len(dataset), "id": type(dataset).__name__}]
 
 
-def _hook_init(obs: _Observer, torch) -> None:
+def _hook_start(obs: _Observer, torch) -> None:
+    """How the ranks start: init_process_group's arguments, and mp.spawn under torchrun."""
     import torch.distributed.distributed_c10d as c10d
+    import torch.multiprocessing as mp
 
     signature = inspect.signature(c10d.init_process_group)
 
@@ -375,6 +376,15 @@ def _hook_init(obs: _Observer, torch) -> None:
         return original(*args, **kwargs)
 
     torch.distributed.init_process_group = c10d.init_process_group
+
+    def spawn(original, *args, **kwargs):  # under torchrun every rank would start ranks of its own
+        call = f"torch.multiprocessing.{original.__name__}"
+        obs.write({"kind": "spawn", "call": call, "where": obs.where()})
+        obs.request_stop(None, "the script calls torch.multiprocessing.spawn under torchrun")
+        obs.end(f"stopped at {call}: the script starts ranks of its own")
+
+    for name in ("spawn", "start_processes"):
+        _patch(mp, name)(spawn)
 
 
 def _hook_ddp(obs: _Observer, torch) -> None:
@@ -511,6 +521,7 @@ def _hook_sampler(obs: _Observer, torch) -> None:
 
 
 def _hook_steps(obs: _Observer, torch) -> None:
+    """Optimizers made, each step, and the checkpoints saved."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     @_patch(torch.optim.Optimizer, "__init__")
@@ -519,6 +530,15 @@ def _hook_steps(obs: _Observer, torch) -> None:
         obs.write({"kind": "optimizer", "type": type(self).__name__, "where": obs.where()})
 
     register_optimizer_step_post_hook(lambda optimizer, args, kwargs: obs.after_step(optimizer))
+
+    @_patch(torch.serialization, "save")
+    def save(original, obj, f, *args, **kwargs):
+        path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+        path = os.path.abspath(path) if isinstance(path, str) else None
+        obs.write({"kind": "save", "path": path, "where": obs.where()})
+        return original(obj, f, *args, **kwargs)
+
+    torch.save = torch.serialization.save
 
 
 def _hook_collectives(obs: _Observer, torch) -> None:
@@ -546,31 +566,6 @@ def _hook_collectives(obs: _Observer, torch) -> None:
     for name in ORDERED:
         if hasattr(dist, name):
             _patch(dist, name)(collective)
-
-
-def _hook_spawn(obs: _Observer, torch) -> None:
-    """torch.multiprocessing.spawn under torchrun: every rank would start ranks of its own."""
-    import torch.multiprocessing as mp
-
-    def spawn(original, *args, **kwargs):
-        call = f"torch.multiprocessing.{original.__name__}"
-        obs.write({"kind": "spawn", "call": call, "where": obs.where()})
-        obs.request_stop(None, "the script calls torch.multiprocessing.spawn under torchrun")
-        obs.end(f"stopped at {call}: the script starts ranks of its own")
-
-    for name in ("spawn", "start_processes"):
-        _patch(mp, name)(spawn)
-
-
-def _hook_save(obs: _Observer, torch) -> None:
-    @_patch(torch.serialization, "save")
-    def save(original, obj, f, *args, **kwargs):
-        path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
-        path = os.path.abspath(path) if isinstance(path, str) else None
-        obs.write({"kind": "save", "path": path, "where": obs.where()})
-        return original(obj, f, *args, **kwargs)
-
-    torch.save = torch.serialization.save
 
 
 def _hook_devices(obs: _Observer, torch) -> None:

@@ -70,11 +70,7 @@ def _program(argv: list[str]) -> str:
 
 
 def is_jupyter_server(argv: list[str]) -> bool:
-    """True for a Jupyter server's command line (lab, notebook, hub), by program name only.
-
-    >>> is_jupyter_server(["python", "-m", "papermill", "/home/jupyter/nb.ipynb", "out.ipynb"])
-    False
-    """
+    """True for a Jupyter server's command line (lab, notebook, hub), by program name only."""
     names = {os.path.basename(argv[0]) if argv else "", _program(argv)}
     runners = ("nbconvert", "papermill", "nbclient", "execute")
     return any(n.startswith("jupyter") or n == "notebook" for n in names) and not any(

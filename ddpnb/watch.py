@@ -7,6 +7,7 @@ release the GIL); no ptrace, no signal, no measurable cost (bench/hang_watch.py)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import linecache
@@ -90,10 +91,8 @@ class _Watch:
     def run(self) -> None:
         while not self.ended:
             time.sleep(self.interval)
-            try:
+            with contextlib.suppress(Exception):  # a full disk, a torn interpreter at exit
                 self.write("running")
-            except Exception:  # a full disk, a torn interpreter at exit: never the script's problem
-                pass
 
     def write(self, state: str) -> None:
         if os.getpid() != self.pid or self.ended:
