@@ -1,4 +1,4 @@
-"""Where every rank is, and whether the run hangs: read from the workers' snapshots (``ddpnb.watch``).
+"""Where every rank is, and whether the run hangs, from the workers' snapshots (``ddpnb.watch``).
 
 Every rank in a collective (or ended) **hangs**; some waiting while others work is a **slow** phase.
 """

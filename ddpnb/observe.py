@@ -1,8 +1,8 @@
 """Watch a DDP script from inside its workers, changing neither the script nor what it computes.
 
-Loaded as ``ddpnb_observe`` by ``ddpnb.site_hooks``: each worker writes JSON records (``kind``; the
-script's line in ``where``) to ``$DDPNB_OBSERVE/rank-<RANK>.jsonl`` for ``ddpnb.scriptcheck``. All
-ranks leave with status 0 at the step a stop file names; a watchdog ends a rank blocked in a collective.
+Loaded as ``ddpnb_observe`` by ``ddpnb.site_hooks``: each worker writes JSON records (``kind``;
+the script's line in ``where``) to ``$DDPNB_OBSERVE/rank-<RANK>.jsonl`` for ``ddpnb.scriptcheck``.
+All ranks leave with status 0 at the step a stop file names; a watchdog ends a blocked rank.
 """
 
 from __future__ import annotations
@@ -340,17 +340,6 @@ def _len(obj) -> int | None:
         return None
 
 
-def _subsets(dataset, subset_type) -> tuple[list, list[dict]]:
-    """The Subsets' index lists from the outside in, and each level's size and identity."""
-    chosen, layers = [], []
-    while isinstance(dataset, subset_type):
-        digest = hashlib.sha256(",".join(map(str, dataset.indices)).encode()).hexdigest()[:12]
-        layers.append({"len": len(dataset.indices), "id": digest})
-        chosen.append(dataset.indices)
-        dataset = dataset.dataset
-    return chosen, [*layers, {"len": _len(dataset), "id": type(dataset).__name__}]
-
-
 def _hook_start(obs: _Observer, torch) -> None:
     """How the ranks start: init_process_group's arguments, and mp.spawn under torchrun."""
     import torch.distributed.distributed_c10d as c10d
@@ -427,8 +416,15 @@ def _hook_loader(obs: _Observer, torch) -> None:
     @_patch(DataLoader, "__init__")
     def __init__(original, self, *args, **kwargs):
         original(self, *args, **kwargs)
+        dataset, chosen, layers = self.dataset, [], []
+        while isinstance(dataset, Subset):  # each level's index list (outside in), size, identity
+            digest = hashlib.sha256(",".join(map(str, dataset.indices)).encode()).hexdigest()[:12]
+            layers.append({"len": len(dataset.indices), "id": digest})
+            chosen.append(dataset.indices)
+            dataset = dataset.dataset
+        layers.append({"len": _len(dataset), "id": type(dataset).__name__})
+        self.__dict__["_ddpnb_subsets"] = chosen
         sampler = getattr(self, "sampler", None)
-        self.__dict__["_ddpnb_subsets"], layers = _subsets(self.dataset, Subset)
         obs.made(
             "loader",
             self,

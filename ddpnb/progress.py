@@ -180,7 +180,7 @@ class TextProgress:
 
 
 def _named(widget, name: str):
-    """``widget`` with the CSS class ``ddpnb-<name>``, for a reader of the page (and the browser test)."""
+    """``widget`` with the CSS class ``ddpnb-<name>``, which names it to the browser test."""
     widget.add_class(f"ddpnb-{name}")
     return widget
 
