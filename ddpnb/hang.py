@@ -1,7 +1,6 @@
 """Where every rank is, and whether the run hangs, from the workers' snapshots (``ddpnb.watch``).
 
-Every rank in a collective (or ended) **hangs**; some waiting while others work is a **slow** phase.
-"""
+All ranks in collectives (or ended): a **hang**; some waiting, others working: a **slow** phase."""
 
 from __future__ import annotations
 

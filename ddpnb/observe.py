@@ -1,9 +1,6 @@
 """Watch a DDP script from inside its workers, changing neither the script nor what it computes.
 
-Loaded as ``ddpnb_observe`` by ``ddpnb.site_hooks``: each worker writes JSON records (``kind``;
-the script's line in ``where``) to ``$DDPNB_OBSERVE/rank-<RANK>.jsonl`` for ``ddpnb.scriptcheck``.
-All ranks leave with status 0 at the step a stop file names; a watchdog ends a blocked rank.
-"""
+Each worker's records go to ``$DDPNB_OBSERVE/rank-<RANK>.jsonl`` (JSON lines), for scriptcheck."""
 
 from __future__ import annotations
 
@@ -128,7 +125,7 @@ def _read(path: Path, parse):
 
 
 class _Observer:
-    """This worker's records, its passes, and the stop."""
+    """This worker's records, its passes, and the stop (at the step a stop file names, status 0)."""
 
     def __init__(self, folder: str) -> None:
         self.folder, self.rank, self.pid = Path(folder), int(os.environ["RANK"]), os.getpid()
@@ -291,10 +288,9 @@ class _Observer:
         while not self.finished:
             time.sleep(0.2)
             now = time.monotonic()
-            if self.stop_seen is None and (self.folder / STOP_FILE).exists():
-                self.stop_seen = now
             if self.stop_seen is None and now - self.t0 > self.timeout:
                 self.request_stop(None, f"time bound of {self.timeout:g} s")
+            if self.stop_seen is None and (self.folder / STOP_FILE).exists():
                 self.stop_seen = now
             if self.stop_seen is not None and now - self.stop_seen > GRACE_SECONDS:
                 self.write({"kind": "blocked", "stack": main_stack(), "steps": self.steps})

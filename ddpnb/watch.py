@@ -1,8 +1,6 @@
 """Where this rank is: a thread in the worker writes its main thread's stack every few seconds.
 
-To ``$DDPNB_WATCH/rank-<RANK>.json``, for ``ddpnb.hang``: readable while gloo or NCCL wait (they
-release the GIL); no ptrace, no signal, no measurable cost (bench/hang_watch.py).
-"""
+To ``$DDPNB_WATCH/rank-<RANK>.json``, readable while gloo or NCCL wait (they release the GIL)."""
 
 from __future__ import annotations
 
