@@ -1,9 +1,6 @@
-"""Where every rank is, and whether the run hangs: read from the workers' snapshots.
+"""Where every rank is, and whether the run hangs, from the workers' snapshots (``ddpnb.watch``).
 
-From ``RUN_DIR/.ddpnb/watch/rank-<R>.json`` (``ddpnb.watch``): :class:`Stacks`, each rank's line
-and what it waits in, and a :class:`Verdict` once nothing moves: every rank in a collective (or
-ended) **hangs**; some waiting while others work is a **slow** phase, never called a bug.
-"""
+All ranks in collectives (or ended): a **hang**; some waiting, others working: a **slow** phase."""
 
 from __future__ import annotations
 
@@ -18,6 +15,7 @@ from pathlib import Path
 from .errors import RunDirError
 from .metrics import read_json
 from .script import HOOKS_DIR  # in the run directory: ddpnb's hooks, on every worker's PYTHONPATH
+from .watch import DIR_ENV, INTERVAL_ENV
 
 WATCH_DIR = Path(HOOKS_DIR) / "watch"  # the ranks' snapshots
 HOOKS = {
@@ -104,11 +102,6 @@ class RankState:
         backward = self.process_group and any(fn in BACKWARD for _, fn in paths)
         return named or ("DDP's gradient all-reduce inside backward" if backward else None)
 
-    @property
-    def doing(self) -> str:
-        """What a rank outside any collective is doing, as far as its frames tell."""
-        return _match(self._paths(), WORK) or "working outside any collective"
-
     def where(self) -> str:
         """``train.py:21 (dist.barrier())``: the user's innermost line and its text."""
         f = self.mine
@@ -128,10 +121,26 @@ class RankState:
         waits = self.waits_in
         if waits:
             return f"rank {self.rank} waits in {waits} at {self.where()}"
-        return f"rank {self.rank} is {self.doing} at {self.where()}"
+        doing = _match(self._paths(), WORK) or "working outside any collective"
+        return f"rank {self.rank} is {doing} at {self.where()}"
+
+    def stack(self) -> list[str]:
+        """The user's frames (file:line and the call), torch's and Python's folded into one line."""
+        out = []
+        for mine, group in itertools.groupby(self.frames, key=lambda f: f.mine):
+            frames = list(group)
+            if mine:
+                out += [f"{f.at} in {f.function}: {f.source}" for f in frames]
+            else:
+                inner = frames[-1]
+                out.append(
+                    f"... {len(frames)} frame(s) of torch/Python, innermost {inner.function} "
+                    f"({Path(inner.file).name}:{inner.line})"
+                )
+        return out
 
 
-TITLES = {"hang": "the run hangs", "slow": "a slow phase", "quiet": "no progress", "ok": "running"}
+TITLES = {"hang": "The run hangs", "slow": "Slow phase", "quiet": "No progress", "ok": "Running"}
 
 
 @dataclasses.dataclass
@@ -143,10 +152,6 @@ class Verdict:
     quiet_for: float = 0.0
     # For a hang: "different" collectives, a rank "ended", "spawn", or the "same" on every rank.
     cause: str = ""
-
-    @property
-    def title(self) -> str:
-        return TITLES[self.kind]
 
 
 # Why the ranks stand still, by verdict kind or hang cause (after each rank's line).
@@ -222,21 +227,13 @@ def hooks_payload() -> dict[str, bytes]:
 
 def watch_env(node_dir: str, interval: float, pythonpath: str | None = None) -> dict[str, str]:
     """The variables that load the hooks into a node's workers (``pythonpath``: kept after ours)."""
-    from .watch import DIR_ENV, INTERVAL_ENV
-
-    path = [f"{node_dir}/{HOOKS_DIR}", *filter(None, [pythonpath])]
-    return {
-        "PYTHONPATH": os.pathsep.join(path),
-        DIR_ENV: f"{node_dir}/{WATCH_DIR}",
-        INTERVAL_ENV: f"{interval:g}",
-    }
+    path = os.pathsep.join([f"{node_dir}/{HOOKS_DIR}", *filter(None, [pythonpath])])
+    return {"PYTHONPATH": path, DIR_ENV: f"{node_dir}/{WATCH_DIR}", INTERVAL_ENV: f"{interval:g}"}
 
 
-def read_ranks(
-    run_dir: str | os.PathLike, since: float = 0.0, now: float | None = None
-) -> list[RankState]:
+def read_ranks(run_dir: str | os.PathLike, since: float = 0.0) -> list[RankState]:
     """Every rank's latest snapshot of the last attempt; ``since`` drops earlier launches'."""
-    now = time.time() if now is None else now
+    now = time.time()
     # A file being replaced reads as {}: the next read has it.
     records = [read_json(p) for p in sorted((Path(run_dir) / WATCH_DIR).glob("rank-*.json"))]
     records = [r for r in records if r and r.get("time", 0) >= since - CLOCK_SKEW]
@@ -268,7 +265,7 @@ class Stacks:
     def __str__(self) -> str:
         out = [f"ddpnb stacks: {self.run_dir}"]
         if self.verdict.message:
-            out += ["", f"{self.verdict.title.capitalize()}: {self.verdict.message}"]
+            out += ["", f"{TITLES[self.verdict.kind]}: {self.verdict.message}"]
         return "\n".join([*out, "", self.per_rank()])
 
     __repr__ = __str__
@@ -278,7 +275,7 @@ class Stacks:
         out = []
         for r in self.ranks:
             out += [f"{r.line()}  [node {r.node} on {r.host}, pid {r.pid}]"]
-            out += [f"    {line}" for line in _stack_lines(r)]
+            out += [f"    {line}" for line in r.stack()]
         return "\n".join(out)
 
     def _repr_html_(self) -> str:
@@ -286,37 +283,18 @@ class Stacks:
         row = lambda tag, cells: (
             "<tr>" + "".join(f"<{tag} style='text-align:left'>{c}</{tag}>" for c in cells) + "</tr>"
         )
-        pre = lambda r: f"<pre style='margin:0'>{e(chr(10).join(_stack_lines(r)))}</pre>"
+        pre = lambda r: f"<pre style='margin:0'>{e(chr(10).join(r.stack()))}</pre>"
         rows = [row("th", ("rank", "node", "where", "stack"))] + [
             row("td", (r.rank, f"{r.node} ({e(r.host)})", e(r.line()), pre(r))) for r in self.ranks
         ]
-        message = f"<p><b>{e(v.title.capitalize())}</b>: {e(v.message)}</p>" if v.message else ""
+        message = f"<p><b>{e(TITLES[v.kind])}</b>: {e(v.message)}</p>" if v.message else ""
         return f"<div class='ddpnb-stacks'>{message}<table>{''.join(rows)}</table></div>"
-
-
-def _stack_lines(r: RankState) -> list[str]:
-    """The user's frames (file:line and the call), torch's and Python's folded into one line."""
-    out = []
-    for mine, group in itertools.groupby(r.frames, key=lambda f: f.mine):
-        frames = list(group)
-        if mine:
-            out += [f"{f.at} in {f.function}: {f.source}" for f in frames]
-        else:
-            inner = frames[-1]
-            out.append(
-                f"... {len(frames)} frame(s) of torch/Python, innermost {inner.function} "
-                f"({Path(inner.file).name}:{inner.line})"
-            )
-    return out
 
 
 def stacks(run_dir: str | os.PathLike, limit: float = 60.0) -> Stacks:
     """Where every rank of the run in ``run_dir`` is now (``ddpnb stacks RUN_DIR``).
 
     Raises RunDirError when there is no run, it has ended, or a node's ranks stopped reporting.
-
-    >>> print(stacks("runs/mine"))   # doctest: +SKIP
-    rank 0 waits in barrier at train.py:21 (dist.barrier())  [node 0 on gpu1, pid 4242]
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -329,10 +307,10 @@ def stacks(run_dir: str | os.PathLike, limit: float = 60.0) -> Stacks:
         raise RunDirError(f"{run_dir} {what}. Pass the run directory of a running job.")
     ranks = [_gone(r) for r in ranks]
     if all(r.state != "running" for r in ranks):
-        newest = min(r.age for r in ranks)
         raise RunDirError(
-            f"The run in {run_dir} has ended (its last stack is {newest:.0f} s old): no rank "
-            "is running. Its logs are in logs/; a failure is in the node logs' tracebacks."
+            f"The run in {run_dir} has ended (its last stack is {min(r.age for r in ranks):.0f} s "
+            "old): no rank is running. Its logs are in logs/; a failure is in the node logs' "
+            "tracebacks."
         )
     silent = [r for r in ranks if r.state == "silent"]
     if silent:
@@ -349,12 +327,11 @@ def stacks(run_dir: str | os.PathLike, limit: float = 60.0) -> Stacks:
 
 def _gone(r: RankState) -> RankState:
     """A running rank of this machine whose process no longer exists has ended."""
-    if r.state != "running" or r.host != socket.gethostname():
-        return r
-    try:
-        os.kill(r.pid, 0)
-    except ProcessLookupError:
-        return dataclasses.replace(r, state="ended")
-    except OSError:
-        pass
+    if r.state == "running" and r.host == socket.gethostname():
+        try:
+            os.kill(r.pid, 0)
+        except ProcessLookupError:
+            return dataclasses.replace(r, state="ended")
+        except OSError:  # another user's process has its pid: it runs
+            pass
     return r

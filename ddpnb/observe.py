@@ -1,27 +1,22 @@
 """Watch a DDP script from inside its workers, changing neither the script nor what it computes.
 
-Copied into the run as ``ddpnb_observe``; ``ddpnb.site_hooks`` calls :func:`activate` at start-up
-and :func:`install` once the script imports torch. Each worker writes one JSON record a line to
-``$DDPNB_OBSERVE/rank-<RANK>.jsonl``, ``kind`` naming it and ``where`` the script's line:
-``init``, ``setenv``, ``ddp``, ``loader``, ``sampler``, ``set_epoch``, ``pass`` (one pass over a
-DataLoader or DistributedSampler: indices, grad mode, steps fed), ``step`` (parameter checksums),
-``save``, ``device``, ``collectives`` (all, in order). It ends the script with status 0: all
-ranks stop at the step a stop file names (a few steps into epoch 2, or at a time bound); a
-watchdog ends a rank blocked in a collective. Standard library and torch only.
-"""
+Each worker's records go to ``$DDPNB_OBSERVE/rank-<RANK>.jsonl`` (JSON lines), for scriptcheck."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import inspect
+import itertools
 import json
 import os
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 try:  # in a worker, ddpnb's hooks are top-level modules side by side (RUN_DIR/.ddpnb/)
     from ddpnb_watch import main_stack, user_file
@@ -32,7 +27,6 @@ DIR_ENV = "DDPNB_OBSERVE"  # the folder for the records; unset: nothing is obser
 STEPS_ENV = "DDPNB_OBSERVE_STEPS"  # optimizer steps into the second epoch before stopping
 SECONDS_ENV = "DDPNB_OBSERVE_SECONDS"  # seconds of training (from the first step) at most
 TIMEOUT_ENV = "DDPNB_OBSERVE_TIMEOUT"  # seconds a worker may live at most
-OWNER_ENV = "DDPNB_OBSERVE_OWNER"  # the observed process's pid: its children are not observed
 STOP_FILE = "stop.json"
 GRACE_SECONDS = 8.0  # after a stop is requested, a rank still running is ended
 EPOCH_WAIT_SECONDS = 3.0  # how long a rank that ended an epoch waits for the others to end it
@@ -61,7 +55,14 @@ def activate(folder: str) -> None:
     threading.Thread(target=active.watch, name="ddpnb-observe", daemon=True).start()
     atexit.register(active.finish, "exit")
     sys.excepthook = active.excepthook
-    _patch_environ()
+
+    @_patch(type(os.environ), "__setitem__")
+    def __setitem__(original, self, key, value):
+        """Record the script's writes of MASTER_ADDR, RANK and the like to os.environ."""
+        original(self, key, value)
+        where = active.where() if self is os.environ and key in ENV_KEYS else None
+        if where is not None:
+            active.write({"kind": "setenv", "key": key, "value": value, "where": where})
 
 
 def install(torch) -> None:
@@ -69,8 +70,8 @@ def install(torch) -> None:
     if active is None:
         return
     active.torch = torch
-    hooks = (_hook_init, _hook_ddp, _hook_loader, _hook_sampler, _hook_steps, _hook_save)
-    for hook in (*hooks, _hook_collectives, _hook_spawn, _hook_devices):
+    hooks = (_hook_start, _hook_ddp, _hook_loader, _hook_sampler, _hook_steps, _hook_collectives)
+    for hook in (*hooks, _hook_devices):
         try:
             hook(active, torch)
         except Exception as e:  # an older or newer torch: observe what can be observed
@@ -80,12 +81,11 @@ def install(torch) -> None:
 class _Pass:
     """One pass over a DataLoader or a DistributedSampler: what it drew and what it fed."""
 
-    counter = 0
+    ids = itertools.count(1)
     KEYS = "source obj grad training expected n batches batch_sizes steps exhausted".split()
 
     def __init__(self, source: str, obj: str, grad: bool, training) -> None:
-        _Pass.counter += 1
-        self.id = _Pass.counter
+        self.id = next(_Pass.ids)
         self.source, self.obj, self.grad, self.training = source, obj, grad, training
         self.expected: int | None = None  # len(loader): the batches it holds
         self.subsets: list = []  # the index lists of the Subsets around the loader's dataset
@@ -116,7 +116,7 @@ class _Pass:
         return {"kind": "pass", "pass": self.id, **fields, "indices": indices}
 
 
-def _read(path: str, parse):
+def _read(path: Path, parse):
     try:
         with open(path) as f:
             return parse(f.read())
@@ -125,14 +125,14 @@ def _read(path: str, parse):
 
 
 class _Observer:
-    """This worker's records, its passes, and the stop."""
+    """This worker's records, its passes, and the stop (at the step a stop file names, status 0)."""
 
     def __init__(self, folder: str) -> None:
-        self.folder, self.rank, self.pid = folder, int(os.environ["RANK"]), os.getpid()
+        self.folder, self.rank, self.pid = Path(folder), int(os.environ["RANK"]), os.getpid()
         self.t0 = time.monotonic()
         self.lock = threading.RLock()
-        self.file = open(self.path(f"rank-{self.rank}.jsonl"), "a", buffering=1)
-        self.ids: dict[str, int] = {}
+        self.file = open(self.folder / f"rank-{self.rank}.jsonl", "a", buffering=1)
+        self.ids = {"L": itertools.count(1), "S": itertools.count(1)}
         self.open_passes: dict[str, _Pass] = {}
         self.current: _Pass | None = None  # the pass whose batches the next step trains on
         self.fetching: _Pass | None = None  # a loader pass drawing indices right now
@@ -150,9 +150,6 @@ class _Observer:
         self.timeout = float(os.environ.get(TIMEOUT_ENV, "60"))
         env = {k: os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")}
         self.write({"kind": "start", "rank": self.rank, "pid": self.pid, "env": env})
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.folder, name)
 
     def write(self, record: dict) -> None:
         if os.getpid() != self.pid or self.finished:
@@ -174,46 +171,43 @@ class _Observer:
         """The record of a DataLoader or DistributedSampler: its id, line, attributes ``names``."""
         fields = {**{k: getattr(obj, k) for k in names.split()}, **fields}
         prefix = "L" if kind == "loader" else "S"
-        self.write({"kind": kind, "id": self.new_id(obj, prefix), "where": self.where(), **fields})
+        self.write({"kind": kind, "id": self.id_of(obj, prefix), "where": self.where(), **fields})
 
-    def new_id(self, obj, prefix: str) -> str:
-        self.ids[prefix] = self.ids.get(prefix, 0) + 1
-        obj.__dict__["_ddpnb_id"] = f"{prefix}{self.ids[prefix]}"
+    def id_of(self, obj, prefix: str) -> str:
+        """A DataLoader's id ("L1", "L2", ...) or a DistributedSampler's ("S1", ...)."""
+        if "_ddpnb_id" not in obj.__dict__:
+            obj.__dict__["_ddpnb_id"] = f"{prefix}{next(self.ids[prefix])}"
         return obj.__dict__["_ddpnb_id"]
 
     def open_pass(self, source: str, obj_id: str) -> _Pass:
         with self.lock:
-            previous = self.open_passes.pop(obj_id, None)
-            if previous is not None:
-                self.pass_ended(previous)
+            self.pass_ended(self.open_passes.pop(obj_id, None))
             training = bool(self.ddp_modules[-1].training) if self.ddp_modules else None
             p = _Pass(source, obj_id, self.torch.is_grad_enabled(), training)
             self.open_passes[obj_id] = self.current = p
             return p
 
-    def pass_ended(self, p: _Pass) -> None:
+    def pass_ended(self, p: _Pass | None) -> None:
         """Write a finished pass at once: a rank that then hangs in a collective keeps it."""
         with self.lock:
-            if not p.written:
+            if p is not None and not p.written:
                 self.write(p.record())
                 p.written = True
 
     def train_pass_ended(self, p: _Pass) -> None:
-        """At the end of a training epoch, wait briefly for every rank to end the same one:
-        uneven epochs would block a rank in DDP's all-reduce while peers start other collectives."""
+        """Wait briefly for every rank to end this training epoch too: uneven ones would hang."""
         if p.id not in self.train_passes:
             return
         epoch = self.train_passes.index(p.id) + 1
-        mine = self.path(f"epoch-{epoch}.rank-{self.rank}")
-        with open(mine + ".tmp", "w") as f:
-            f.write(str(p.steps))
-        os.replace(mine + ".tmp", mine)
+        mine = self.folder / f"epoch-{epoch}.rank-{self.rank}"
+        Path(f"{mine}.tmp").write_text(str(p.steps))
+        os.replace(f"{mine}.tmp", mine)
         self.write({"kind": "epoch_end", "epoch": epoch, "steps": p.steps, "pass": p.id})
         world = int(os.environ.get("WORLD_SIZE", "1"))
         counts: dict[int, int] = {}
         deadline = time.monotonic() + EPOCH_WAIT_SECONDS
         while time.monotonic() < deadline:
-            read = {r: _read(self.path(f"epoch-{epoch}.rank-{r}"), int) for r in range(world)}
+            read = {r: _read(self.folder / f"epoch-{epoch}.rank-{r}", int) for r in range(world)}
             counts = {r: n for r, n in read.items() if n is not None}
             if len(counts) == world or self.read_stop() is not None:
                 break
@@ -253,19 +247,16 @@ class _Observer:
 
     def read_stop(self) -> dict | None:
         if self.stop_at is None:
-            self.stop_at = _read(self.path(STOP_FILE), json.loads)
+            self.stop_at = _read(self.folder / STOP_FILE, json.loads)
         return self.stop_at
 
     def request_stop(self, step: int | None, reason: str) -> dict:
         """Ask every rank to stop after optimizer step ``step`` (None: at once); first ask wins."""
-        tmp = self.path(f".stop-{self.rank}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"step": step, "reason": reason, "rank": self.rank}, f)
-        try:
-            os.link(tmp, self.path(STOP_FILE))  # atomic, and only once
-        except FileExistsError:
-            pass
-        os.unlink(tmp)
+        tmp = self.folder / f".stop-{self.rank}.tmp"
+        tmp.write_text(json.dumps({"step": step, "reason": reason, "rank": self.rank}))
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, self.folder / STOP_FILE)  # atomic, and only once
+        tmp.unlink()
         self.stop_at = None
         return self.read_stop()
 
@@ -297,17 +288,16 @@ class _Observer:
         while not self.finished:
             time.sleep(0.2)
             now = time.monotonic()
-            if self.stop_seen is None and os.path.exists(self.path(STOP_FILE)):
-                self.stop_seen = now
             if self.stop_seen is None and now - self.t0 > self.timeout:
                 self.request_stop(None, f"time bound of {self.timeout:g} s")
+            if self.stop_seen is None and (self.folder / STOP_FILE).exists():
                 self.stop_seen = now
             if self.stop_seen is not None and now - self.stop_seen > GRACE_SECONDS:
                 self.write({"kind": "blocked", "stack": main_stack(), "steps": self.steps})
                 self.end("ended by the check's watchdog (another rank had stopped)")
 
     def excepthook(self, kind, value, tb) -> None:
-        if os.path.exists(self.path(STOP_FILE)):
+        if (self.folder / STOP_FILE).exists():
             self.end(f"ended after a peer stopped ({kind.__name__})")  # its peer left
         self.write({"kind": "exception", "type": kind.__name__, "message": str(value)[:2000]})
         self.finish("exception")
@@ -346,19 +336,10 @@ def _len(obj) -> int | None:
         return None
 
 
-def _subsets(dataset, subset_type) -> tuple[list, list[dict]]:
-    """The Subsets' index lists from the outside in, and each level's size and identity."""
-    chosen, layers = [], []
-    while isinstance(dataset, subset_type):
-        digest = hashlib.sha256(",".join(map(str, dataset.indices)).encode()).hexdigest()[:12]
-        layers.append({"len": len(dataset.indices), "id": digest})
-        chosen.append(dataset.indices)
-        dataset = dataset.dataset
-    return chosen, [*layers, {"len": _len(dataset), "id": type(dataset).__name__}]
-
-
-def _hook_init(obs: _Observer, torch) -> None:
+def _hook_start(obs: _Observer, torch) -> None:
+    """How the ranks start: init_process_group's arguments, and mp.spawn under torchrun."""
     import torch.distributed.distributed_c10d as c10d
+    import torch.multiprocessing as mp
 
     signature = inspect.signature(c10d.init_process_group)
 
@@ -380,6 +361,15 @@ def _hook_init(obs: _Observer, torch) -> None:
         return original(*args, **kwargs)
 
     torch.distributed.init_process_group = c10d.init_process_group
+
+    def spawn(original, *args, **kwargs):  # under torchrun every rank would start ranks of its own
+        call = f"torch.multiprocessing.{original.__name__}"
+        obs.write({"kind": "spawn", "call": call, "where": obs.where()})
+        obs.request_stop(None, "the script calls torch.multiprocessing.spawn under torchrun")
+        obs.end(f"stopped at {call}: the script starts ranks of its own")
+
+    for name in ("spawn", "start_processes"):
+        _patch(mp, name)(spawn)
 
 
 def _hook_ddp(obs: _Observer, torch) -> None:
@@ -422,8 +412,15 @@ def _hook_loader(obs: _Observer, torch) -> None:
     @_patch(DataLoader, "__init__")
     def __init__(original, self, *args, **kwargs):
         original(self, *args, **kwargs)
+        dataset, chosen, layers = self.dataset, [], []
+        while isinstance(dataset, Subset):  # each level's index list (outside in), size, identity
+            digest = hashlib.sha256(",".join(map(str, dataset.indices)).encode()).hexdigest()[:12]
+            layers.append({"len": len(dataset.indices), "id": digest})
+            chosen.append(dataset.indices)
+            dataset = dataset.dataset
+        layers.append({"len": _len(dataset), "id": type(dataset).__name__})
+        self.__dict__["_ddpnb_subsets"] = chosen
         sampler = getattr(self, "sampler", None)
-        self.__dict__["_ddpnb_subsets"], layers = _subsets(self.dataset, Subset)
         obs.made(
             "loader",
             self,
@@ -437,8 +434,7 @@ def _hook_loader(obs: _Observer, torch) -> None:
 
     @_patch(DataLoader, "__iter__")
     def __iter__(original, self):
-        obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "L")
-        p = obs.open_pass("loader", obj_id)
+        p = obs.open_pass("loader", obs.id_of(self, "L"))
         p.subsets = self.__dict__.get("_ddpnb_subsets", [])
         p.expected = _len(self)
         obs.fetching = p  # a multi-process iterator draws its first indices in here
@@ -491,7 +487,7 @@ def _hook_sampler(obs: _Observer, torch) -> None:
     @_patch(DistributedSampler, "__iter__")
     def __iter__(original, self):
         indices = list(original(self))
-        obj_id = self.__dict__.get("_ddpnb_id") or obs.new_id(self, "S")
+        obj_id = obs.id_of(self, "S")
         inner = obs.fetching  # drawn by a DataLoader pass, or iterated by the script
         p = None if inner is not None else obs.open_pass("sampler", obj_id)
         obs.write(
@@ -517,6 +513,7 @@ def _hook_sampler(obs: _Observer, torch) -> None:
 
 
 def _hook_steps(obs: _Observer, torch) -> None:
+    """Optimizers made, each step, and the checkpoints saved."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     @_patch(torch.optim.Optimizer, "__init__")
@@ -525,6 +522,15 @@ def _hook_steps(obs: _Observer, torch) -> None:
         obs.write({"kind": "optimizer", "type": type(self).__name__, "where": obs.where()})
 
     register_optimizer_step_post_hook(lambda optimizer, args, kwargs: obs.after_step(optimizer))
+
+    @_patch(torch.serialization, "save")
+    def save(original, obj, f, *args, **kwargs):
+        path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+        path = os.path.abspath(path) if isinstance(path, str) else None
+        obs.write({"kind": "save", "path": path, "where": obs.where()})
+        return original(obj, f, *args, **kwargs)
+
+    torch.save = torch.serialization.save
 
 
 def _hook_collectives(obs: _Observer, torch) -> None:
@@ -554,31 +560,6 @@ def _hook_collectives(obs: _Observer, torch) -> None:
             _patch(dist, name)(collective)
 
 
-def _hook_spawn(obs: _Observer, torch) -> None:
-    """torch.multiprocessing.spawn under torchrun: every rank would start ranks of its own."""
-    import torch.multiprocessing as mp
-
-    def spawn(original, *args, **kwargs):
-        call = f"torch.multiprocessing.{original.__name__}"
-        obs.write({"kind": "spawn", "call": call, "where": obs.where()})
-        obs.request_stop(None, "the script calls torch.multiprocessing.spawn under torchrun")
-        obs.end(f"stopped at {call}: the script starts ranks of its own")
-
-    for name in ("spawn", "start_processes"):
-        _patch(mp, name)(spawn)
-
-
-def _hook_save(obs: _Observer, torch) -> None:
-    @_patch(torch.serialization, "save")
-    def save(original, obj, f, *args, **kwargs):
-        path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
-        path = os.path.abspath(path) if isinstance(path, str) else None
-        obs.write({"kind": "save", "path": path, "where": obs.where()})
-        return original(obj, f, *args, **kwargs)
-
-    torch.save = torch.serialization.save
-
-
 def _hook_devices(obs: _Observer, torch) -> None:
     """CUDA device choices: the index asked for, beside LOCAL_RANK and RANK."""
 
@@ -602,15 +583,3 @@ def _hook_devices(obs: _Observer, torch) -> None:
         except Exception:  # the original call reports bad arguments itself
             pass
         return original(self, *args, **kwargs)
-
-
-def _patch_environ() -> None:
-    """Record the script's writes of MASTER_ADDR, RANK and the like to os.environ."""
-
-    @_patch(type(os.environ), "__setitem__")
-    def __setitem__(original, self, key, value):
-        original(self, key, value)
-        if self is os.environ and key in ENV_KEYS and active is not None:
-            where = active.where()
-            if where is not None:
-                active.write({"kind": "setenv", "key": key, "value": value, "where": where})

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
-import itertools
 import os
 import sys
 import time
@@ -11,6 +11,7 @@ from html import escape
 from pathlib import Path
 from typing import Any, Protocol
 
+from .hang import TITLES
 from .metrics import RunMetrics, read_jsonl, read_progress
 
 
@@ -45,8 +46,7 @@ STATUS_COLORS = {
     "failed": "#dc322f",
     "hung": "#d33682",  # every rank waits in a collective and none moves
 }
-# The hang watch's verdicts as the panel shows them: (label, border colour).
-WAITING_STYLE = {"hang": ("The run hangs", "#d33682"), "slow": ("Slow phase", "#b58900")}
+WAITING_COLORS = {"hang": "#d33682", "slow": "#b58900"}  # the hang watch's verdicts, shown
 BORDER = "1px solid var(--jp-border-color1, #ccc)"
 
 # A PNG cannot follow JupyterLab's theme: in a dark theme invert it (hues kept), not a white block.
@@ -70,11 +70,7 @@ def _program(argv: list[str]) -> str:
 
 
 def is_jupyter_server(argv: list[str]) -> bool:
-    """True for a Jupyter server's command line (lab, notebook, hub), by program name only.
-
-    >>> is_jupyter_server(["python", "-m", "papermill", "/home/jupyter/nb.ipynb", "out.ipynb"])
-    False
-    """
+    """True for a Jupyter server's command line (lab, notebook, hub), by program name only."""
     names = {os.path.basename(argv[0]) if argv else "", _program(argv)}
     runners = ("nbconvert", "papermill", "nbclient", "execute")
     return any(n.startswith("jupyter") or n == "notebook" for n in names) and not any(
@@ -174,8 +170,8 @@ class TextProgress:
         self.printed = max(self.printed, len(rows))
         waiting = self.job.waiting
         kind = waiting.kind if waiting is not None else None
-        if kind != self.said and kind in WAITING_STYLE:
-            print(f"ddpnb: {WAITING_STYLE[kind][0].lower()}: {waiting.message}", flush=True)
+        if kind != self.said and kind in WAITING_COLORS:
+            print(f"ddpnb: {TITLES[kind].lower()}: {waiting.message}", flush=True)
         self.said = kind
 
     def close(self, job: Followed) -> None:
@@ -184,8 +180,7 @@ class TextProgress:
 
 
 def _named(widget, name: str):
-    """``widget`` with the CSS class ``ddpnb-<name>``: names the part for a reader of the page
-    (and the browser test)."""
+    """``widget`` with the CSS class ``ddpnb-<name>``, which names it to the browser test."""
     widget.add_class(f"ddpnb-{name}")
     return widget
 
@@ -248,31 +243,20 @@ class WidgetProgress:
 
     def _set_waiting(self) -> None:
         verdict, html = self.job.waiting, ""
-        if verdict is not None and verdict.kind in WAITING_STYLE:
-            label, color = WAITING_STYLE[verdict.kind]
+        if verdict is not None and verdict.kind in WAITING_COLORS:
             html = (
-                f"<div style='border-left:4px solid {color};padding:2px 8px;margin:4px 0'>"
-                f"<b>{label}</b>: {escape(verdict.message)}</div>"
+                f"<div style='border-left:4px solid {WAITING_COLORS[verdict.kind]};padding:2px 8px;"
+                f"margin:4px 0'><b>{TITLES[verdict.kind]}</b>: {escape(verdict.message)}</div>"
             )
         if self.waiting.value != html:
             self.waiting.value = html
 
-    def _say_busy(self) -> None:
-        """Tell JupyterLab again that the cell is busy (at most once a second): the widgets'
-        kernel subshell reports idle after each message, while the cell still runs."""
-        now = time.monotonic()
-        if now - self.busy_said < 1.0:
-            return
-        self.busy_said = now
-        shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
-        kernel = getattr(shell, "kernel", None)
-        try:
-            kernel._publish_status("busy", "shell")  # the running cell's request is the parent
-        except Exception:  # another kernel, or an ipykernel without it: only the label is off
-            pass
-
     def update(self) -> None:
-        self._say_busy()
+        now = time.monotonic()
+        if now - self.busy_said >= 1.0:  # the widgets' subshell says "idle" while the cell runs
+            self.busy_said = now
+            with contextlib.suppress(Exception):  # another kernel: only JupyterLab's label is off
+                sys.modules["IPython"].get_ipython().kernel._publish_status("busy", "shell")
         self._set_nodes()
         self._set_waiting()
         prog = read_progress(self.job.run_dir)
@@ -286,40 +270,18 @@ class WidgetProgress:
             self.status.value = (
                 f"epoch {prog['epoch']}/{prog['epochs']}, step {prog['step']}/{prog['steps']}{loss}"
             )
-        now = time.monotonic()
         if len(rows) != self.plotted and now - self.last_plot > PLOT_INTERVAL and rows:
-            self.plot.value = self._render(rows)
-            self.plot.layout.display = None
+            from .plot import plot_curves
+
+            fig = plot_curves(RunMetrics(self.job.run_dir, rows, {}, {}))
+            fig.set_size_inches(7.2, 2.9)
+            for ax in fig.axes:  # the run's whole range of epochs, filled as they end
+                ax.set_xlim(0.5, max(self.job.epochs or len(rows), 1) + 0.5)
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=90)
+            self.plot.value, self.plot.layout.display = buf.getvalue(), None
             self.plotted, self.last_plot = len(rows), now
             self.plot_updates += 1
-
-    def _render(self, rows: list[dict]) -> bytes:
-        from matplotlib.figure import Figure
-
-        from .plot import label_log_axis
-
-        fig = Figure(figsize=(7.2, 2.6), layout="constrained")
-        ax_loss, ax_acc = fig.subplots(1, 2)
-        # Markers: one epoch makes no line. Each curve uses the epochs that hold its number.
-        for (ax, key), (split, style) in itertools.product(
-            ((ax_loss, "loss"), (ax_acc, "acc")), (("train", "--o"), ("val", "-o"))
-        ):
-            got = [(r["epoch"], r.get(f"{split}_{key}")) for r in rows]
-            points = [(x, y) for x, y in got if isinstance(y, (int, float))]
-            if points:
-                ax.plot(*zip(*points), style, ms=3, label=split)
-        # Log scale, as in plot_curves: an early loss of 1000 would flatten the rest.
-        ax_loss.set(title="loss (log)", xlabel="epoch", yscale="log")
-        label_log_axis(ax_loss)  # 2 and 5 labelled too: a curve near 2 has a number beside it
-        ax_acc.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
-        for ax in (ax_loss, ax_acc):
-            ax.set_xlim(0.5, max(self.job.epochs or len(rows), 1) + 0.5)
-            ax.grid(alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=8)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=90)
-        return buf.getvalue()
 
     def close(self, job: Followed) -> None:
         self.last_plot = 0.0

@@ -1,8 +1,5 @@
-"""Written by ddpnb as RUN_DIR/.ddpnb/sitecustomize.py: its hooks, then any other sitecustomize.
-
-Activates ``ddpnb_watch`` and ``ddpnb_observe`` (each idle unless its variable is set) and calls
-their ``install`` once the script imports torch. Nothing here may stop the script.
-"""
+"""Written by ddpnb as RUN_DIR/.ddpnb/sitecustomize.py: starts ddpnb's hooks in a worker, has them
+hook torch once imported, then runs any other sitecustomize. Nothing here may stop the script."""
 
 import importlib
 import importlib.abc
@@ -12,23 +9,15 @@ import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
-
-
-def _activate(module) -> None:
-    """``module.activate(folder)`` in a worker (RANK set) of a run that asks for it (its folder
-    variable set), once, and not in the processes the worker starts (mp.spawn's, subprocesses)."""
-    folder, pid = os.environ.get(module.DIR_ENV), str(os.getpid())
-    if folder and "RANK" in os.environ and module.active is None:
-        if (os.environ.get(module.OWNER_ENV) or pid) == pid:
-            os.environ[module.OWNER_ENV] = pid
-            module.activate(folder)
-
-
 _hooks = []
 for _name in ("ddpnb_watch", "ddpnb_observe"):
     try:
         _module = importlib.import_module(_name)
-        _activate(_module)
+        _folder, _pid = os.environ.get(_module.DIR_ENV), str(os.getpid())
+        # Only in a worker (RANK set), and not in the processes it starts (their owner is it).
+        if _folder and "RANK" in os.environ:
+            if os.environ.setdefault(f"{_module.DIR_ENV}_OWNER", _pid) == _pid:
+                _module.activate(_folder)
         _hooks.append(_module)
     except Exception as e:  # never stop the script for ddpnb's sake
         sys.stderr.write(f"ddpnb: {_name} not loaded: {e!r}\n")
@@ -43,22 +32,21 @@ def _installed(torch) -> None:
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Calls each hook's ``install`` right after ``import torch`` finishes (the script's own)."""
+    """Calls each hook's ``install`` right after the script's ``import torch`` finishes."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
 
-        def exec_module(module):
-            run(module)
-            _installed(module)
+            def exec_module(module):
+                run(module)
+                _installed(module)
 
-        spec.loader.exec_module = exec_module
+            spec.loader.exec_module = exec_module
         return spec
 
 

@@ -1,14 +1,11 @@
-"""Where this rank is: its Python stack, written every few seconds, from inside the worker.
+"""Where this rank is: a thread in the worker writes its main thread's stack every few seconds.
 
-Loaded into each worker as ``RUN_DIR/.ddpnb/ddpnb_watch.py`` by the ``sitecustomize.py`` beside
-it. A daemon thread writes ``$DDPNB_WATCH/rank-<RANK>.json``: the main thread's stack (readable
-while gloo or NCCL wait, as they release the GIL), how long it stayed the same, and the steps
-taken. No ptrace, no signal; no measurable cost (bench/hang_watch.py). ``ddpnb.hang`` reads it.
-"""
+To ``$DDPNB_WATCH/rank-<RANK>.json``, readable while gloo or NCCL wait (they release the GIL)."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import linecache
@@ -20,7 +17,6 @@ import time
 
 DIR_ENV = "DDPNB_WATCH"  # the folder for the snapshots; unset: nothing is watched
 INTERVAL_ENV = "DDPNB_WATCH_INTERVAL"  # seconds between snapshots
-OWNER_ENV = "DDPNB_WATCH_OWNER"  # the watched process's pid: processes it starts are not watched
 MAX_FRAMES = 60  # innermost frames kept
 HOOKS_DIR = ".ddpnb"  # the run directory's folder of ddpnb's hooks (this file among them)
 RUN_DIR = os.path.realpath(os.getcwd()) + os.sep  # the user's files: the working dir at start
@@ -73,14 +69,13 @@ class _Watch:
         self.path = os.path.join(folder, f"rank-{os.environ['RANK']}.json")
         self.interval = interval
         self.pid = os.getpid()
-        self.steps = self.seq = 0
+        self.steps = 0
         self.last: tuple | None = None  # (stack, steps) of the previous snapshot
         self.moved_at = time.time()
         self.ended = False
         env = lambda name: int(os.environ.get(name) or 0)
         self.about = {
             "rank": env("RANK"),
-            "local_rank": env("LOCAL_RANK"),
             "node": env("GROUP_RANK"),
             "world_size": env("WORLD_SIZE") or 1,
             "restart": env("TORCHELASTIC_RESTART_COUNT"),
@@ -94,10 +89,8 @@ class _Watch:
     def run(self) -> None:
         while not self.ended:
             time.sleep(self.interval)
-            try:
+            with contextlib.suppress(Exception):  # a full disk, a torn interpreter at exit
                 self.write("running")
-            except Exception:  # a full disk, a torn interpreter at exit: never the script's problem
-                pass
 
     def write(self, state: str) -> None:
         if os.getpid() != self.pid or self.ended:
@@ -108,12 +101,10 @@ class _Watch:
         key = ([f[:3] for f in stack], self.steps)
         if key != self.last:
             self.last, self.moved_at = key, now
-        self.seq += 1
         dist = getattr(sys.modules.get("torch"), "distributed", None)
         record = {
             **self.about,
             "state": state,
-            "seq": self.seq,
             "time": now,
             "still": round(now - self.moved_at, 3),  # seconds without a step or a new stack
             "steps": self.steps,
