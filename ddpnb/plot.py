@@ -40,7 +40,7 @@ def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None 
     ax_loss, ax_acc = fig.subplots(1, 2)
     for i, (label, run) in enumerate(_runs(runs, labels)):
         for ax, key in ((ax_loss, "loss"), (ax_acc, "acc")):
-            for split, style in (("train", "--"), ("val", "-o")):
+            for split, style in (("train", "--o"), ("val", "-o")):
                 rows = [(e["epoch"], e.get(f"{split}_{key}")) for e in run.epochs]
                 rows = [(x, y) for x, y in rows if isinstance(y, (int, float))]
                 if rows:
