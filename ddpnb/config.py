@@ -31,11 +31,7 @@ RETIRED_KEYS = (
 
 
 def check_int(name: str, value: object, low: int = 1, high: int | None = None) -> int:
-    """``value`` if it is an int in ``low..high``, else a ConfigError naming ``name``.
-
-    >>> check_int("nnodes", 2)
-    2
-    """
+    """``value`` if it is an int in ``low..high``, else a ConfigError naming ``name``."""
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
     if ok and (high is None or value <= high):
         return value
@@ -51,12 +47,7 @@ def _default_num_workers() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """All the worker needs to train, with the defaults; bad values raise :class:`ConfigError`.
-
-    >>> cfg = TrainConfig(data_dir="data/digits", epochs=2)
-    >>> TrainConfig.from_dict(cfg.to_dict()) == cfg
-    True
-    """
+    """All the worker needs to train, with the defaults; bad values raise :class:`ConfigError`."""
 
     data_dir: str = "data/digits"
     model: str = "resnet18"
@@ -127,11 +118,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Build a config from a dict, rejecting keys that are not fields.
-
-        >>> TrainConfig.from_dict({"epochs": 3}).epochs
-        3
-        """
+        """Build a config from a dict, rejecting keys that are not fields."""
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(valid))
         retired = [k for k in unknown if k in RETIRED_KEYS]

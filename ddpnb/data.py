@@ -110,13 +110,11 @@ def prepare_digits(
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
     try:
         for split, idx in (("train", train_idx), ("val", val_idx)):
-            for c in range(10):
-                (tmp / split / str(c)).mkdir(parents=True)
             for i in sorted(idx):
-                img = Image.fromarray(images[i], mode="L").resize(
-                    (image_size, image_size), Image.BICUBIC
-                )
-                img.save(tmp / split / str(digits.target[i]) / f"{i:04d}.png", optimize=False)
+                folder = tmp / split / str(digits.target[i])
+                folder.mkdir(parents=True, exist_ok=True)
+                img = Image.fromarray(images[i], mode="L")
+                img.resize((image_size, image_size), Image.BICUBIC).save(folder / f"{i:04d}.png")
         summary = inspect_dataset(tmp, show=False, write_manifest=False)
         _write_manifest(tmp, summary, source="digits", params=params)
         old = root.with_name(f".{root.name}.old-{os.getpid()}")
@@ -228,13 +226,10 @@ def _write_manifest(root: Path, summary: DatasetSummary, source, params) -> None
 def subset_dataset(
     source: str | os.PathLike, root: str | os.PathLike, *, train: int | None, val: int | None
 ) -> Path:
-    """Copy a class-balanced subset of an ImageFolder dataset to ``root``.
+    """Copy a class-balanced subset of an ImageFolder dataset to ``root`` (``None``: a whole split).
 
-    Images are taken in turn from each class (sorted file order), so every class keeps
-    its share; ``None`` keeps a whole split. The source's ``source`` tag is kept (the
-    digits stay "digits" for augmentation). Calling again with the same arguments does
-    nothing; another subset in ``root`` is replaced. Notebook 06 uses it for a val split
-    that no small world size divides.
+    The source's ``source`` tag is kept (digits stay "digits" for augmentation). Calling again
+    with the same arguments does nothing; another subset in ``root`` is replaced.
     """
     source, root = Path(source), Path(root)
     summary = require_valid_dataset(source)

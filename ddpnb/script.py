@@ -28,9 +28,6 @@ class Script:
     A ``Script`` goes wherever a ``TrainConfig`` does. ``files`` (modules, configs, small data)
     are copied to the run directory, a relative path at its place, an absolute one at the top;
     above ``max_copy_mb`` in all the launch refuses: keep large data on a shared filesystem.
-
-    >>> Script("src/train.py", args=["config/small.json"], files=["mypkg", "config"]).name
-    'src/train.py'
     """
 
     path: str | os.PathLike
@@ -93,7 +90,21 @@ class Script:
         for path in given:
             if path.suffix == ".py" and path.is_file():
                 _compile(path)
-        _check_size(sources, self.max_copy_mb)
+        sizes = Counter()  # bytes by path given
+        for _, file, path in sources:
+            sizes[path] += file.stat().st_size
+        total = sum(sizes.values())
+        if total > self.max_copy_mb * 1e6:
+            items = ", ".join(f"{path} ({_size(size)})" for path, size in sizes.most_common(3))
+            need = int(total / 1e6) + 1
+            raise ConfigError(
+                f"The script and its files are {_size(total)}, more than max_copy_mb="
+                f"{self.max_copy_mb:g} to copy into the run directory (and to every host that "
+                f"does not share it); the largest: {items}. Nothing was started. Keep large data "
+                "on a filesystem every node shares and pass its absolute path in the script's "
+                f"arguments (never copied), or allow the copy: Script(..., max_copy_mb={need}) "
+                f"(CLI: --max-copy-mb {need})."
+            )
 
     def payload(self) -> dict[str, bytes]:
         """Every file the run directory gets, by its path there."""
@@ -122,9 +133,6 @@ class Script:
         """ddpnb's tutorial worker as a Script: ``train_ddp.py --config config.json``.
 
         ``path``: another version of the worker to run under that name (notebook 06's pitfalls).
-
-        >>> Script.worker(TrainConfig()).command("/runs/a")  # doctest: +SKIP
-        ['/runs/a/train_ddp.py', '--config', '/runs/a/config.json']
         """
         from .source import WORKER_PATH
 
@@ -162,24 +170,6 @@ def _walk(place: str, path: Path) -> list[tuple[str, Path]]:
             if file.is_file():  # not a broken link
                 out.append((f"{place}/{file.relative_to(path).as_posix()}", file))
     return out
-
-
-def _check_size(sources: list[tuple[str, Path, str]], max_mb: float) -> None:
-    sizes = Counter()  # bytes by path given
-    for _, file, given in sources:
-        sizes[given] += file.stat().st_size
-    total = sum(sizes.values())
-    if total <= max_mb * 1e6:
-        return
-    items = ", ".join(f"{given} ({_size(size)})" for given, size in sizes.most_common(3))
-    need = int(total / 1e6) + 1
-    raise ConfigError(
-        f"The script and its files are {_size(total)}, more than max_copy_mb={max_mb:g} "
-        f"to copy into the run directory (and to every host that does not share it); the "
-        f"largest: {items}. Nothing was started. Keep large data on a filesystem every node "
-        "shares and pass its absolute path in the script's arguments (never copied), or allow "
-        f"the copy: Script(..., max_copy_mb={need}) (CLI: --max-copy-mb {need})."
-    )
 
 
 def _size(n: int) -> str:

@@ -4,10 +4,9 @@ Part 1 is DDP, top to bottom: ``main()`` lists the steps, each a short function 
 Part 2 holds what a DDP tutorial leaves out: the same dataset on every node, augmentation,
 averaging gradients through shared memory, checkpoint guards and each rank's records.
 
-It needs torch, torchvision and two stdlib files ddpnb writes beside it with
-``config.json``: ``ddpnb_constants.py`` (what it shares with the package) and
-``ddpnb_reporting.py`` (progress for ddpnb's panel; a no-op elsewhere). The outputs
-(``metrics.jsonl``, ``ranks/``, ``checkpoints/``, ``progress.json``) go to the run directory.
+It needs torch, torchvision and what ddpnb writes beside it: ``config.json``,
+``ddpnb_constants.py`` and ``ddpnb_reporting.py`` (progress for ddpnb's panel; a no-op
+elsewhere). Outputs (``metrics.jsonl``, ``ranks/``, ``checkpoints/``) go to the run directory.
 
 One node, two processes::
 
@@ -33,6 +32,7 @@ authenticated: run multi-node jobs on trusted networks only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
@@ -370,11 +371,9 @@ def pick_device(cfg: dict, me: Rank) -> torch.device:
 
 
 def cpu_share(me: Rank) -> int:
-    """Threads for this process: the host's cores over the processes sharing them
-    (``DDPNB_PROCS_ON_HOST``, set by ddpnb's launcher, counts simulated nodes too)."""
-    return constants.threads_for_host(
-        int(os.environ.get("DDPNB_PROCS_ON_HOST", me.local_world_size))
-    )
+    """Threads: the host's cores over its processes (ddpnb's launcher counts simulated nodes)."""
+    procs = int(os.environ.get("DDPNB_PROCS_ON_HOST", me.local_world_size))
+    return constants.threads_for_host(procs)
 
 
 def attempt_store(restart_count: int, timeout: datetime.timedelta) -> dist.Store:
@@ -414,23 +413,15 @@ def check_same_dataset(data_dir: Path, me: Rank) -> str:
 def batch_sums(loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(loss*n, correct, n) of one batch, in float64: sums, not means, add up over ranks."""
     n = y.shape[0]
-    return torch.stack(
-        [
-            loss.double() * n,
-            (logits.argmax(1) == y).sum().double(),
-            torch.full((), float(n), dtype=torch.float64, device=y.device),  # no host copy
-        ]
-    )
+    correct = (logits.argmax(1) == y).sum().double()
+    return torch.stack([loss.double() * n, correct, torch.full_like(correct, n)])  # no host copy
 
 
 class Records:
     """This rank's row in ``ranks/`` every epoch, rank 0's ``metrics.jsonl`` row and
-    ``effective_config.json``.
-
-    Timings come from hooks, not the loop: a forward pre-hook marks a batch ready, the
-    optimizer's step hooks the end of backward and of the step, and the comm hook (``COMM``)
-    the exposed gradient time (communication). The rest of an epoch is data wait.
-    """
+    ``effective_config.json``. Timings come from hooks, not the loop: a forward pre-hook marks
+    a batch ready, the optimizer's step hooks the end of backward and of the step, the comm hook
+    (``COMM``) the exposed gradient time (communication). The rest of an epoch is data wait."""
 
     def __init__(self, cfg, me, run_dir, data, start_epoch, model, optimizer, weights_note):
         self.cfg, self.me, self.run_dir, self.data = cfg, me, run_dir, data
@@ -585,11 +576,9 @@ class SharedMemoryAllReduce:
 
     def __init__(self, base: Path) -> None:
         self.base = base  # every rank derives the same file names from it
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.flag = torch.zeros(1)
-        self.nbytes = 0
-        self.generation = 0
+        self.nbytes = 0  # the mapped buffer's size; it only grows
         self.storage: torch.UntypedStorage | None = None
         self.disabled = False  # /dev/shm too small: plain all-reduce from then on
 
@@ -598,18 +587,15 @@ class SharedMemoryAllReduce:
         """Collective: a shared-memory reducer if every rank can open rank 0's file."""
         name = [None]
         if dist.get_rank() == 0:
-            try:
+            with contextlib.suppress(OSError):  # no /dev/shm here
                 marker = cls.SHM_DIR / f"ddpnb-{os.getpid()}-{os.urandom(6).hex()}"
                 marker.write_text(marker.name)
                 name[0] = marker.name
-            except OSError:
-                pass  # no /dev/shm here
         dist.broadcast_object_list(name, src=0)
         marker = cls.SHM_DIR / (name[0] or "ddpnb-none")
-        try:
+        ok = False
+        with contextlib.suppress(OSError):  # another host, or another container's /dev/shm
             ok = name[0] is not None and marker.read_text() == name[0]
-        except OSError:
-            ok = False  # another host, or another container's /dev/shm
         reducer = cls(marker)
         everyone = reducer.agree(ok)
         if dist.get_rank() == 0 and name[0]:
@@ -626,18 +612,15 @@ class SharedMemoryAllReduce:
         """Collective: map a shared buffer of at least ``nbytes`` (False if no room)."""
         if nbytes <= self.nbytes:
             return True
-        self.generation += 1
-        path = self.base.with_name(f"{self.base.name}-{self.generation}")
+        path = self.base.with_name(f"{self.base.name}-{nbytes}")
         ok = True
         if self.rank == 0:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
+                with os.fdopen(fd, "wb"):  # closes fd
                     # Reserve the pages now: writing past a full tmpfs through a mapping
                     # is a SIGBUS, not an exception.
                     os.posix_fallocate(fd, 0, nbytes)
-                finally:
-                    os.close(fd)
             except OSError:
                 path.unlink(missing_ok=True)
                 ok = False
@@ -685,8 +668,6 @@ def timed_comm_hook(compression: str, shared: SharedMemoryAllReduce | None = Non
     fp16; or through ``shared`` memory), timed into its state: ``blocked`` sums the seconds
     inside the hook, ``returned`` is when the last bucket was handed over (backward's wait
     after that, for asynchronous all-reduces, is exposed communication too)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     name = "allreduce_hook" if compression == "none" else f"{compression}_compress_hook"
     inner = getattr(default_hooks, name)
 
@@ -705,9 +686,8 @@ def timed_comm_hook(compression: str, shared: SharedMemoryAllReduce | None = Non
 
 
 def no_forward_buffer_sync() -> dict:
-    """DDP's keyword for "do not broadcast buffers before every forward": torch 2.13 renamed
-    ``broadcast_buffers`` (which now warns) to ``forward_sync_buffers``. That one still syncs
-    once at construction, which changes nothing: every rank builds the same model."""
+    """DDP's "no buffer broadcast before each forward": ``forward_sync_buffers`` from torch 2.13
+    (it syncs once, at construction: harmless), else ``broadcast_buffers`` (warns on 2.13)."""
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
@@ -737,30 +717,23 @@ PHOTO_MIN_SIDE = 128  # px: the short side of a photo-like image
 AUGMENT_SAMPLES = 8  # train images looked at by augment="auto"
 
 
-def sample_images(split_dir: Path, count: int) -> list[Path]:
-    """Up to ``count`` image files of a split, spread over its classes."""
-    classes = sorted(d for d in split_dir.iterdir() if d.is_dir()) if split_dir.is_dir() else []
-    per_class = [
-        sorted(p for p in d.iterdir() if p.suffix.lower() in constants.IMAGE_EXTENSIONS)
-        for d in classes
-    ]
-    in_turn = itertools.chain.from_iterable(itertools.zip_longest(*per_class))  # by class
-    return [p for p in in_turn if p is not None][:count]
-
-
 def resolve_augment(cfg: dict, data_dir: Path) -> tuple[str, str]:
     """The augmentation to train with, and a one-line reason: ``auto`` is "digits" for
     ddpnb's digits, "photo" for colour images of short side >= PHOTO_MIN_SIDE, else "none"."""
     if cfg["augment"] != "auto":
         return cfg["augment"], f"{cfg['augment']}: set in the config"
-    try:
+    source = None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         source = json.loads((data_dir / "manifest.json").read_text()).get("source")
-    except (OSError, ValueError, AttributeError):
-        source = None
     if source == "digits":
         return "digits", "auto -> digits: ddpnb's prepared digits (manifest source 'digits')"
+    # A few train images, taken in turn from each class.
+    files = (data_dir / "train").glob("*/*")
+    images = sorted(p for p in files if p.suffix.lower() in constants.IMAGE_EXTENSIONS)
+    by_class = [list(group) for _, group in itertools.groupby(images, lambda p: p.parent)]
+    in_turn = itertools.chain.from_iterable(itertools.zip_longest(*by_class))
     colour, sides, sizes = 0, [], set()
-    for path in sample_images(data_dir / "train", AUGMENT_SAMPLES):
+    for path in [p for p in in_turn if p is not None][:AUGMENT_SAMPLES]:
         try:
             img = load_image(str(path))  # RGB; a grayscale file has three equal channels
         except ValueError:
@@ -797,9 +770,7 @@ def loader_transforms(augment: str, size: int) -> tuple[transforms.Compose, tran
     return transforms.Compose([*train, *tail]), transforms.Compose([*fit, *tail])
 
 
-# The faster path: at most this many bytes of decoded images per process (DataLoader
-# workers each hold their own copy).
-DECODED_BYTES = 1 << 30
+DECODED_BYTES = 1 << 30  # the faster path's decoded images per process (and DataLoader worker)
 
 
 def decoded_in_memory(train_set, val_set, cfg: dict, augment: str):
@@ -813,12 +784,10 @@ def decoded_in_memory(train_set, val_set, cfg: dict, augment: str):
 
 
 class DecodedImages(torch.utils.data.Dataset):
-    """An ImageFolder's images kept decoded (uint8) and transformed a batch at a time.
-
-    ``loader_transforms`` for augment "none" and "digits": resize and centre-crop once, at
-    the first decode; the random affine and normalisation as one call per batch (the
-    DataLoader asks for a batch's indices together, ``__getitems__``).
-    """
+    """An ImageFolder's images kept decoded (uint8) and transformed a batch at a time:
+    ``loader_transforms`` for augment "none" and "digits", with resize and centre-crop once, at
+    the first decode, then the random affine and normalisation as one call per batch (the
+    DataLoader asks for a batch's indices together, ``__getitems__``)."""
 
     def __init__(self, folder: torchvision.datasets.ImageFolder, size: int, augment: str):
         self.samples, self.classes, self.augment = folder.samples, folder.classes, augment
