@@ -84,11 +84,9 @@ def prepare_digits(
     if existing.get("source") == "digits" and existing.get("params") == params:
         return root  # finished earlier: the manifest is written last
     if root.exists() and any(root.iterdir()) and not overwrite:
-        what = (
-            f"digits prepared with {existing.get('params')}"
-            if existing
-            else "files that are not a finished ddpnb dataset (an interrupted run, or other data)"
-        )
+        what = "files that are not a finished ddpnb dataset (an interrupted run, or other data)"
+        if existing:
+            what = f"digits prepared with {existing.get('params')}"
         raise DatasetError(
             f"{root} already holds {what}. Choose another folder, or pass overwrite=True "
             "(CLI: --overwrite) to replace it."

@@ -1,8 +1,7 @@
 """The main job (``make demo``): run the notebooks in order with papermill.
 
-Executed notebooks go to ``--out``, with the figures they show as PNG files
-(``03_figure1.png``, ...); the summary printed at the end is read from the run
-directories the notebooks wrote. ``python -m ddpnb.demo --out runs/demo [--quick]``
+``python -m ddpnb.demo --out runs/demo [--quick]``: executed notebooks and the figures they show
+(``03_figure1.png``, ...) go to ``--out``; the summary at the end is read from their run dirs.
 """
 
 from __future__ import annotations
@@ -95,8 +94,7 @@ def save_figures(notebook: Path, folder: Path) -> None:
     images = [
         o["data"]["image/png"]
         for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
+        for o in c.get("outputs", [])  # code cells only have outputs
         if "image/png" in o.get("data", {})
     ]
     for i, data in enumerate(images, 1):

@@ -74,15 +74,16 @@ def joined(world_size: int | None = None) -> None:
 
 
 def step(step: int, steps: int, *, epoch: int = 1, epochs: int = 1, loss=None) -> None:
-    """Step ``step`` of ``steps`` in epoch ``epoch`` of ``epochs`` is done (1-based).
-
-    ``loss`` may be a number or a one-element tensor: it is read (a device sync) only
-    when a record is written, at most every INTERVAL seconds, on rank 0.
-    """
+    """Step ``step`` of ``steps`` in epoch ``epoch`` of ``epochs`` is done (1-based). ``loss``,
+    a number or a one-element tensor, is read (a device sync) only when a record is written: at
+    most every INTERVAL seconds, on rank 0."""
     if _state["first_step_time"] is None:
         _state["first_step_time"] = time.time()
-        _state["fault"] = _this_process_fault()  # read once: the steps only compare numbers
         _state["under_torchrun"] = "TORCHELASTIC_RUN_ID" in os.environ
+        # DDPNB_FAULT, read once, if it names this rank and attempt: the steps compare numbers.
+        fault = parse_fault(os.environ.get(FAULT_ENV, ""))
+        here = [int(os.environ.get(k, 0)) for k in ("RANK", "TORCHELASTIC_RESTART_COUNT")]
+        _state["fault"] = fault if fault and [fault["rank"], fault["restart"]] == here else None
     if _state["under_torchrun"] and os.getppid() != _state["agent_pid"]:
         raise RuntimeError(
             f"The torchrun agent (pid {_state['agent_pid']}) of node "
@@ -120,13 +121,6 @@ def parse_fault(spec: str) -> dict | None:
             )
         fault[key] = value if key == "mode" else int(value)
     return fault
-
-
-def _this_process_fault() -> dict | None:
-    """``DDPNB_FAULT`` if it names this rank and attempt, else None."""
-    fault = parse_fault(os.environ.get(FAULT_ENV, ""))
-    here = (int(os.environ.get("RANK", 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    return fault if fault and (fault["rank"], fault["restart"]) == here else None
 
 
 def epoch(epoch: int, **metrics: float) -> None:

@@ -161,15 +161,11 @@ def _place(path: str | os.PathLike) -> str:
 
 
 def _walk(place: str, path: Path) -> list[tuple[str, Path]]:
+    """A file, or a folder's files (not in __pycache__, no broken links), by place."""
     if not path.is_dir():
         return [(place, path)]
-    out = []
-    for folder, dirs, names in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for file in (Path(folder) / n for n in sorted(names)):
-            if file.is_file():  # not a broken link
-                out.append((f"{place}/{file.relative_to(path).as_posix()}", file))
-    return out
+    files = (f.relative_to(path) for f in sorted(path.rglob("*")) if f.is_file())
+    return [(f"{place}/{f.as_posix()}", path / f) for f in files if "__pycache__" not in f.parts]
 
 
 def _size(n: int) -> str:

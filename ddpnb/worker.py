@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import datetime
 import errno
@@ -347,8 +346,6 @@ class Data:
 
 
 # -- the process: device, threads, the rendezvous store, the same dataset everywhere -----
-
-
 def pick_device(cfg: dict, me: Rank) -> torch.device:
     """This rank's GPU (``LOCAL_RANK``) unless backend is gloo or CUDA is absent; else the CPU."""
     if torch.cuda.is_available() and cfg["backend"] != "gloo":
@@ -408,8 +405,6 @@ def check_same_dataset(data_dir: Path, me: Rank) -> str:
 
 
 # -- this rank's records: ranks/rank-N.jsonl, metrics.jsonl, effective_config.json --------
-
-
 def batch_sums(loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(loss*n, correct, n) of one batch, in float64: sums, not means, add up over ranks."""
     n = y.shape[0]
@@ -538,7 +533,6 @@ class Records:
 
 
 # -- gradients: averaged through shared memory where ranks share a host, and timed -----
-
 COMM = {"blocked": 0.0, "returned": None, "route": "none (one process)"}  # the comm hook's
 
 
@@ -694,8 +688,6 @@ def no_forward_buffer_sync() -> dict:
 
 
 # -- data: ImageFolders and augmentation -----------------------------------------------
-
-
 def image_folders(cfg: dict, me: Rank, data_dir: Path):
     """The train and val ImageFolders with their transforms, and the augmentation chosen."""
     augment, augment_reason = resolve_augment(cfg, data_dir)
@@ -841,8 +833,6 @@ def load_image(path: str):
 
 
 # -- the model ------------------------------------------------------------------------
-
-
 def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     """Give a torchvision classifier a fresh final layer with num_classes outputs."""
     for owner_name in ("fc", "classifier", "heads", "head"):  # fc: ResNet, RegNet, GoogLeNet...
@@ -931,8 +921,6 @@ def make_sgd(params, cfg: dict) -> torch.optim.Optimizer:
 
 
 # -- checkpoints and random number generator states -----------------------------------
-
-
 def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
     """Load the last checkpoint, if any (also after a torchrun restart): the first epoch to run.
 
@@ -1015,8 +1003,6 @@ def set_rng_state(state: dict, use_cuda: bool) -> None:
 
 
 # -- files written whole, hashes ---------------------------------------------------------
-
-
 def atomic_write(path: Path, write) -> None:
     """``write(file)`` into a temp file, fsync and rename: readers never see half a file,
     and a failed write leaves the previous one."""
@@ -1033,9 +1019,7 @@ def atomic_write(path: Path, write) -> None:
 
 def keep_epochs_upto(path: Path, last_epoch: int) -> None:
     """Drop lines of epochs after last_epoch: they are redone after a restart."""
-    if not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
     kept = [ln for ln in lines if json.loads(ln)["epoch"] <= last_epoch]
     if len(kept) != len(lines):
         text = "".join(ln + "\n" for ln in kept)
@@ -1051,9 +1035,7 @@ def parameter_checksum(model: nn.Module) -> str:
     """16 hex digits of sha256 over parameters and buffers (identical copies match)."""
     digest = hashlib.sha256()
     for p in [*model.parameters(), *model.buffers()]:
-        x = p.detach().cpu().contiguous()
-        # A plain memory copy: bytes(storage) would walk the elements one by one.
-        digest.update(ctypes.string_at(x.data_ptr(), x.numel() * x.element_size()))
+        digest.update(p.detach().cpu().reshape(-1).view(torch.uint8).numpy())  # its raw bytes
     return digest.hexdigest()[:16]
 
 
