@@ -21,13 +21,8 @@ CommHook = Literal["auto", "shm", "none", "bf16", "fp16"]
 LrSchedule = Literal["cosine", "constant"]
 # Fields of earlier versions, dropped when an old config.json loads (its run still resumes).
 RETIRED_KEYS = (
-    "pipeline",
-    "distributed_sampler",
-    "set_epoch",
-    "exact_validation",
-    "reduce_sums",
-    "thread_budget",
-)
+    "pipeline distributed_sampler set_epoch exact_validation reduce_sums thread_budget"
+).split()
 
 
 def check_int(name: str, value: object, low: int = 1, high: int | None = None) -> int:

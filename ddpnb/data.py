@@ -69,10 +69,10 @@ def prepare_digits(
 ) -> Path:
     """Write scikit-learn's bundled handwritten digits as an ImageFolder tree.
 
-    ``root/train/<0..9>/*.png`` and ``root/val/<0..9>/*.png``, upscaled to
-    ``image_size``, split per class (stratified) and deterministically by ``seed``.
-    Needs no network. Calling again with the same arguments does nothing; other
-    arguments on a non-empty folder raise :class:`DatasetError` unless ``overwrite``.
+    ``root/train/<0..9>/*.png`` and ``root/val/<0..9>/*.png``, upscaled to ``image_size``, split per
+    class (stratified) and deterministically by ``seed``. Needs no network. Calling again with the
+    same arguments does nothing; other arguments on a non-empty folder raise :class:`DatasetError`
+    unless ``overwrite``.
     """
     if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < 8:
         raise DatasetError(f"image_size must be an integer >= 8, got {image_size!r}.")
@@ -130,20 +130,17 @@ def _check_class_folder(folder: Path, sizes: Counter[str], problems: list[str]) 
     from PIL import Image
 
     n = 0
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            if not name.lower().endswith(IMAGE_EXTENSIONS):
-                problems.append(f"non-image file: {path}")
-                continue
-            try:
-                with Image.open(path) as im:
-                    im.load()  # decodes fully: truncated files fail here
-                    sizes[f"{im.width}x{im.height}"] += 1
-                n += 1
-            except Exception as e:
-                problems.append(f"unreadable or corrupt image: {path} ({e})")
+    for path in sorted(p for p in folder.rglob("*") if not p.is_dir()):  # broken links too
+        if not path.name.lower().endswith(IMAGE_EXTENSIONS):
+            problems.append(f"non-image file: {path}")
+            continue
+        try:
+            with Image.open(path) as im:
+                im.load()  # decodes fully: truncated files fail here
+                sizes[f"{im.width}x{im.height}"] += 1
+            n += 1
+        except Exception as e:
+            problems.append(f"unreadable or corrupt image: {path} ({e})")
     return n
 
 
@@ -152,9 +149,9 @@ def inspect_dataset(
 ) -> DatasetSummary:
     """Check an ImageFolder dataset with ``train/`` and ``val/`` and summarise it.
 
-    Every problem is collected (missing split, class sets that differ, empty class,
-    unreadable image by path, non-image file), then the summary is printed (``show``)
-    and, when the folder is writable, saved with the fingerprint to ``manifest.json``.
+    Every problem is collected (missing split, class sets that differ, empty class, unreadable image
+    by path, non-image file), then the summary is printed (``show``) and, when the folder is
+    writable, saved with the fingerprint to ``manifest.json``.
     """
     root = Path(root)
     if not root.is_dir():

@@ -111,15 +111,10 @@ def summary_lines(out: Path) -> list[str]:
         return load_metrics(run).final if (run / "metrics.jsonl").is_file() else None
 
     lines = []
-    if b := final("baseline"):
-        lines.append(
-            f"baseline (1 process):  val_acc {b['val_acc']:.4f}  {b['images_per_second']:.0f} img/s"
-        )
-    if d := final("ddp"):
-        lines.append(
-            f"DDP (world size {d['world_size']}):   val_acc {d['val_acc']:.4f}  "
-            f"{d['images_per_second']:.0f} img/s"
-        )
+    for name, label in (("baseline", "baseline (1 process): "), ("ddp", "DDP (world size {}):  ")):
+        if r := final(name):
+            who = label.format(r["world_size"])
+            lines.append(f"{who} val_acc {r['val_acc']:.4f}  {r['images_per_second']:.0f} img/s")
     if final("fault") and final("fault_uninterrupted"):
         clean = load_metrics(out / "fault_uninterrupted").epochs
         drill = load_metrics(out / "fault").epochs[: len(clean)]  # before the extra epoch

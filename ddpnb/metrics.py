@@ -62,8 +62,7 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"Run directory {run_dir} does not exist.")
     ranks = {
-        int(path.stem.split("-")[1]): read_jsonl(path)
-        for path in (run_dir / "ranks").glob("rank-*.jsonl")
+        int(p.stem.split("-")[1]): read_jsonl(p) for p in (run_dir / "ranks").glob("rank-*.jsonl")
     }
     return RunMetrics(
         run_dir,

@@ -56,12 +56,8 @@ def _write_progress(record: dict) -> None:
     folder = run_dir()
     if folder is None:
         return
-    record = {
-        **record,
-        "time": time.time(),
-        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "first_step_time": _state["first_step_time"],
-    }
+    record.update(time=time.time(), first_step_time=_state["first_step_time"])
+    record["restart_count"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     tmp = folder / f".progress.json.{os.getpid()}"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, folder / "progress.json")  # a reader never sees half a record
@@ -138,9 +134,5 @@ def epoch(epoch: int, **metrics: float) -> None:
 
 def done(epochs: int | None = None, steps: int | None = None) -> None:
     """Training has finished (the panel shows the run as done)."""
-    record = {"phase": "done"}
-    if epochs is not None:
-        record.update(epoch=epochs, epochs=epochs)
-    if steps is not None:
-        record.update(step=steps, steps=steps)
-    _write_progress(record)
+    counts = {"epoch": epochs, "epochs": epochs, "step": steps, "steps": steps}
+    _write_progress({"phase": "done", **{k: v for k, v in counts.items() if v is not None}})

@@ -109,9 +109,7 @@ class Script:
     def payload(self) -> dict[str, bytes]:
         """Every file the run directory gets, by its path there."""
         out = {name: path.read_bytes() for name, path, _ in self._sources()}
-        out.update(self.generated)
-        out[REPORTING_NAME] = REPORTING_PATH.read_bytes()
-        return out
+        return {**out, **self.generated, REPORTING_NAME: REPORTING_PATH.read_bytes()}
 
     def _sources(self) -> list[tuple[str, Path, str]]:
         """(place in the run directory, file here, path given) of every file copied, once."""
@@ -174,9 +172,8 @@ def _size(n: int) -> str:
 
 def _compile(path: Path) -> None:
     """ConfigError naming the file, line and text of a syntax error (nothing has started)."""
-    source = path.read_bytes()
     try:
-        compile(source, str(path), "exec", dont_inherit=True)
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
     except SyntaxError as e:
         text = (e.text or "").rstrip()
         caret = " " * max((e.offset or 1) - 1 - (len(text) - len(text.lstrip())), 0) + "^"

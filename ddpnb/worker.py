@@ -558,13 +558,12 @@ def gradient_hook(cfg: dict, me: Rank, device: torch.device):
 class SharedMemoryAllReduce:
     """Averages DDP gradient buckets through shared memory when all ranks share a host.
 
-    gloo pushes every bucket through the kernel's TCP loopback, which on a small host
-    competes with compute (about 40 ms per step for resnet18 here). As NCCL does within a
-    node, every rank copies the slices the others own into a file in /dev/shm, sums its own
-    slice from everybody's copies, and copies the summed slices back: gloo's sum (bit for
-    bit at two ranks). Two one-element gloo all-reduces per bucket keep the ranks in step,
-    so a dead or hung rank still fails the run within the timeout. Make it with ``create``.
-    """
+    gloo pushes every bucket through the kernel's TCP loopback, which on a small host competes with
+    compute (about 40 ms per step for resnet18 here). As NCCL does within a node, every rank copies
+    the slices the others own into a file in /dev/shm, sums its own slice from everybody's copies,
+    and copies the summed slices back: gloo's sum (bit for bit at two ranks). Two one-element gloo
+    all-reduces per bucket keep the ranks in step, so a dead or hung rank still fails the run within
+    the timeout. Make it with ``create``."""
 
     SHM_DIR = Path("/dev/shm")
 
@@ -658,10 +657,9 @@ class SharedMemoryAllReduce:
 
 
 def timed_comm_hook(compression: str, shared: SharedMemoryAllReduce | None = None):
-    """A DDP comm hook that all-reduces each gradient bucket (``compression``: none, bf16,
-    fp16; or through ``shared`` memory), timed into its state: ``blocked`` sums the seconds
-    inside the hook, ``returned`` is when the last bucket was handed over (backward's wait
-    after that, for asynchronous all-reduces, is exposed communication too)."""
+    """A DDP comm hook that all-reduces each gradient bucket (``compression``: none, bf16, fp16;
+    or through ``shared`` memory), timed into its state: ``blocked``, the seconds inside the hook;
+    ``returned``, when the last bucket left (backward's wait after it is exposed communication)."""
     name = "allreduce_hook" if compression == "none" else f"{compression}_compress_hook"
     inner = getattr(default_hooks, name)
 
@@ -734,8 +732,7 @@ def resolve_augment(cfg: dict, data_dir: Path) -> tuple[str, str]:
         sizes.add(f"{img.size[0]}x{img.size[1]}")
         img.thumbnail((64, 64))
         x = transforms.functional.pil_to_tensor(img).float()
-        if (x.amax(0) - x.amin(0)).mean().item() > 2.0:  # channels differ: colour
-            colour += 1
+        colour += (x.amax(0) - x.amin(0)).mean().item() > 2.0  # channels differ: colour
     if not sides:
         return "none", "auto -> none: no sample image could be read; set augment='photo' to opt in"
     is_colour = colour * 2 > len(sides)
@@ -924,9 +921,8 @@ def make_sgd(params, cfg: dict) -> torch.optim.Optimizer:
 def resume(path, cfg, fingerprint, model, optimizer, scheduler, me) -> int:
     """Load the last checkpoint, if any (also after a torchrun restart): the first epoch to run.
 
-    Only node 0's disk surely holds it (hosts without a shared folder each have their own
-    run directory): rank 0 reads it and sends it to every rank.
-    """
+    Only node 0's disk surely holds it (hosts without a shared folder each have their own run
+    directory): rank 0 reads it and sends it to every rank."""
     ckpt = None
     if me.master_process and path.exists():
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
