@@ -52,8 +52,7 @@ class TrainConfig:
     weights: str | None = None
     image_size: int = 32
     epochs: int = 8
-    #: Per process: the global batch is ``batch_size * world_size``.
-    batch_size: int = 64
+    batch_size: int = 64  #: Per process: the global batch is ``batch_size * world_size``.
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 5e-4
@@ -61,12 +60,10 @@ class TrainConfig:
     seed: int = 0
     num_workers: int = dataclasses.field(default_factory=_default_num_workers)
     backend: Backend = "auto"
-    #: bf16 autocast, applied on CUDA only.
-    amp: bool = True
+    amp: bool = True  #: bf16 autocast, applied on CUDA only.
     augment: Augment = "auto"
     checkpoint_every: int = 1
-    #: Seconds a collective may wait before the run fails instead of hanging.
-    timeout_seconds: int = 60
+    timeout_seconds: int = 60  #: Seconds a collective may wait before the run fails, not hangs.
     #: Limit steps per epoch (benchmarks, smoke tests); ``None`` runs whole epochs.
     max_steps_per_epoch: int | None = None
     #: Intra-op threads per process on CPU; 0 splits the host's cores over its processes.
@@ -116,8 +113,7 @@ class TrainConfig:
         """Build a config from a dict, rejecting keys that are not fields."""
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(valid))
-        retired = [k for k in unknown if k in RETIRED_KEYS]
-        if retired:
+        if retired := [k for k in unknown if k in RETIRED_KEYS]:
             raise ConfigError(
                 f"{', '.join(retired)}: no longer a config field. Every run reads its "
                 "images through a DataLoader (the worker keeps small datasets decoded in "

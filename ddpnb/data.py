@@ -49,11 +49,8 @@ class DatasetSummary:
         lines.append(f"  image sizes: {sizes or 'none'}")
         if self.fingerprint:
             lines.append(f"  fingerprint: sha256:{self.fingerprint}")
-        if self.problems:
-            lines.append(f"  PROBLEMS ({len(self.problems)}):")
-            lines.extend(f"    - {p}" for p in self.problems)
-        else:
-            lines.append("  no problems found")
+        problems = [f"  PROBLEMS ({len(self.problems)}):", *(f"    - {p}" for p in self.problems)]
+        lines += problems if self.problems else ["  no problems found"]
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython display

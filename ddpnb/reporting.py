@@ -53,8 +53,7 @@ def run_dir() -> Path | None:
 
 
 def _write_progress(record: dict) -> None:
-    folder = run_dir()
-    if folder is None:
+    if (folder := run_dir()) is None:
         return
     record.update(time=time.time(), first_step_time=_state["first_step_time"])
     record["restart_count"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -122,8 +121,7 @@ def parse_fault(spec: str) -> dict | None:
 def epoch(epoch: int, **metrics: float) -> None:
     """Epoch ``epoch`` is done: one row of ``metrics.jsonl`` (``train_loss``, ``val_acc``, ...).
     Reduce the numbers over all ranks first (sums and counts, then divide)."""
-    folder = run_dir()
-    if folder is None:
+    if (folder := run_dir()) is None:
         return
     row = {"epoch": epoch, "world_size": int(os.environ.get("WORLD_SIZE", 1)), **metrics}
     with open(folder / "metrics.jsonl", "a") as f:

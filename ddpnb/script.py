@@ -48,8 +48,7 @@ class Script:
                     f"Script {field} must be a list, e.g. {field}=['a', 'b'], got {value!r}."
                 )
             object.__setattr__(self, field, tuple(value))
-        bad = [a for a in self.args if not isinstance(a, str)]
-        if bad:
+        if bad := [a for a in self.args if not isinstance(a, str)]:
             raise ConfigError(f"Script args must be strings (as on a command line): {bad!r}.")
         limit = self.max_copy_mb
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
@@ -65,8 +64,7 @@ class Script:
     def check(self) -> None:
         """Raise ConfigError unless every file exists, has a place of its own, and fits."""
         given = [Path(self.path), *map(Path, self.files)]
-        missing = [str(p) for p in given if not p.exists()]
-        if missing:
+        if missing := [str(p) for p in given if not p.exists()]:
             raise ConfigError(
                 f"{', '.join(missing)}: no such file or folder. Pass the path of the script "
                 "(and of each file or folder it needs) as it is on this machine; a relative "

@@ -393,8 +393,7 @@ def check_same_dataset(data_dir: Path, me: Rank) -> str:
     if me.distributed:
         seen = [None] * me.world_size
         dist.all_gather_object(seen, (me.node_rank, socket.gethostname(), fingerprint))
-        differing = sorted({(n, h) for n, h, fp in seen if fp != seen[0][2]})
-        if differing:
+        if differing := sorted({(n, h) for n, h, fp in seen if fp != seen[0][2]}):
             names = ", ".join(f"node {n} ({h})" for n, h in differing)
             raise RuntimeError(
                 f"The dataset at {data_dir} differs between nodes: {names} hold data whose "
@@ -700,9 +699,8 @@ def image_folders(cfg: dict, me: Rank, data_dir: Path):
     return train_set, val_set, (augment, augment_reason)
 
 
-# Photo-style augmentation (crops down to 8% of the area, mirror images) suits colour
-# photographs; on small grayscale images such as digits it costs accuracy. ``auto``
-# therefore picks "photo" only for images that look like photos.
+# Photo-style augmentation (crops down to 8% of the area, mirror images) suits colour photographs;
+# on small grayscale images such as digits it costs accuracy: ``auto`` picks it for photos only.
 PHOTO_MIN_SIDE = 128  # px: the short side of a photo-like image
 AUGMENT_SAMPLES = 8  # train images looked at by augment="auto"
 
