@@ -146,8 +146,7 @@ def inspect_dataset(
 ) -> DatasetSummary:
     """Check an ImageFolder dataset with ``train/`` and ``val/`` and summarise it.
 
-    Every problem is collected (missing split, class sets that differ, empty class, unreadable image
-    by path, non-image file), then the summary is printed (``show``) and, when the folder is
+    Every problem is collected, then the summary is printed (``show``) and, when the folder is
     writable, saved with the fingerprint to ``manifest.json``.
     """
     root = Path(root)

@@ -85,9 +85,8 @@ class Script:
                 f"{REPORTING_NAME}, {MESHCHECK_NAME} and {HOOKS_DIR}/ are ddpnb's). Rename or "
                 "move one of them."
             )
-        for path in given:
-            if path.suffix == ".py" and path.is_file():
-                _compile(path)
+        for path in [p for p in given if p.suffix == ".py" and p.is_file()]:
+            _compile(path)
         sizes = Counter()  # bytes by path given
         for _, file, path in sources:
             sizes[path] += file.stat().st_size
@@ -112,8 +111,7 @@ class Script:
     def _sources(self) -> list[tuple[str, Path, str]]:
         """(place in the run directory, file here, path given) of every file copied, once."""
         out = {}  # (place, real file) -> the first (place, file, path given)
-        given = [(self.name, self.path), *((_place(f), f) for f in self.files)]
-        for place, path in given:
+        for place, path in [(self.name, self.path), *((_place(f), f) for f in self.files)]:
             for name, file in _walk(place, Path(path)):
                 out.setdefault((name, os.path.realpath(file)), (name, file, str(path)))
         return list(out.values())
