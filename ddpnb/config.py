@@ -21,21 +21,12 @@ CommHook = Literal["auto", "shm", "none", "bf16", "fp16"]
 LrSchedule = Literal["cosine", "constant"]
 # Fields of earlier versions, dropped when an old config.json loads (its run still resumes).
 RETIRED_KEYS = (
-    "pipeline",
-    "distributed_sampler",
-    "set_epoch",
-    "exact_validation",
-    "reduce_sums",
-    "thread_budget",
-)
+    "pipeline distributed_sampler set_epoch exact_validation reduce_sums thread_budget"
+).split()
 
 
 def check_int(name: str, value: object, low: int = 1, high: int | None = None) -> int:
-    """``value`` if it is an int in ``low..high``, else a ConfigError naming ``name``.
-
-    >>> check_int("nnodes", 2)
-    2
-    """
+    """``value`` if it is an int in ``low..high``, else a ConfigError naming ``name``."""
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
     if ok and (high is None or value <= high):
         return value
@@ -51,12 +42,7 @@ def _default_num_workers() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """All the worker needs to train, with the defaults; bad values raise :class:`ConfigError`.
-
-    >>> cfg = TrainConfig(data_dir="data/digits", epochs=2)
-    >>> TrainConfig.from_dict(cfg.to_dict()) == cfg
-    True
-    """
+    """All the worker needs to train, with the defaults; bad values raise :class:`ConfigError`."""
 
     data_dir: str = "data/digits"
     model: str = "resnet18"
@@ -66,8 +52,7 @@ class TrainConfig:
     weights: str | None = None
     image_size: int = 32
     epochs: int = 8
-    #: Per process: the global batch is ``batch_size * world_size``.
-    batch_size: int = 64
+    batch_size: int = 64  #: Per process: the global batch is ``batch_size * world_size``.
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 5e-4
@@ -75,12 +60,10 @@ class TrainConfig:
     seed: int = 0
     num_workers: int = dataclasses.field(default_factory=_default_num_workers)
     backend: Backend = "auto"
-    #: bf16 autocast, applied on CUDA only.
-    amp: bool = True
+    amp: bool = True  #: bf16 autocast, applied on CUDA only.
     augment: Augment = "auto"
     checkpoint_every: int = 1
-    #: Seconds a collective may wait before the run fails instead of hanging.
-    timeout_seconds: int = 60
+    timeout_seconds: int = 60  #: Seconds a collective may wait before the run fails, not hangs.
     #: Limit steps per epoch (benchmarks, smoke tests); ``None`` runs whole epochs.
     max_steps_per_epoch: int | None = None
     #: Intra-op threads per process on CPU; 0 splits the host's cores over its processes.
@@ -127,15 +110,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Build a config from a dict, rejecting keys that are not fields.
-
-        >>> TrainConfig.from_dict({"epochs": 3}).epochs
-        3
-        """
+        """Build a config from a dict, rejecting keys that are not fields."""
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(valid))
-        retired = [k for k in unknown if k in RETIRED_KEYS]
-        if retired:
+        if retired := [k for k in unknown if k in RETIRED_KEYS]:
             raise ConfigError(
                 f"{', '.join(retired)}: no longer a config field. Every run reads its "
                 "images through a DataLoader (the worker keeps small datasets decoded in "

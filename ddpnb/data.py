@@ -49,11 +49,8 @@ class DatasetSummary:
         lines.append(f"  image sizes: {sizes or 'none'}")
         if self.fingerprint:
             lines.append(f"  fingerprint: sha256:{self.fingerprint}")
-        if self.problems:
-            lines.append(f"  PROBLEMS ({len(self.problems)}):")
-            lines.extend(f"    - {p}" for p in self.problems)
-        else:
-            lines.append("  no problems found")
+        problems = [f"  PROBLEMS ({len(self.problems)}):", *(f"    - {p}" for p in self.problems)]
+        lines += problems if self.problems else ["  no problems found"]
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython display
@@ -69,10 +66,10 @@ def prepare_digits(
 ) -> Path:
     """Write scikit-learn's bundled handwritten digits as an ImageFolder tree.
 
-    ``root/train/<0..9>/*.png`` and ``root/val/<0..9>/*.png``, upscaled to
-    ``image_size``, split per class (stratified) and deterministically by ``seed``.
-    Needs no network. Calling again with the same arguments does nothing; other
-    arguments on a non-empty folder raise :class:`DatasetError` unless ``overwrite``.
+    ``root/train/<0..9>/*.png`` and ``root/val/<0..9>/*.png``, upscaled to ``image_size``, split per
+    class (stratified) and deterministically by ``seed``. Needs no network. Calling again with the
+    same arguments does nothing; other arguments on a non-empty folder raise :class:`DatasetError`
+    unless ``overwrite``.
     """
     if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < 8:
         raise DatasetError(f"image_size must be an integer >= 8, got {image_size!r}.")
@@ -84,11 +81,9 @@ def prepare_digits(
     if existing.get("source") == "digits" and existing.get("params") == params:
         return root  # finished earlier: the manifest is written last
     if root.exists() and any(root.iterdir()) and not overwrite:
-        what = (
-            f"digits prepared with {existing.get('params')}"
-            if existing
-            else "files that are not a finished ddpnb dataset (an interrupted run, or other data)"
-        )
+        what = "files that are not a finished ddpnb dataset (an interrupted run, or other data)"
+        if existing:
+            what = f"digits prepared with {existing.get('params')}"
         raise DatasetError(
             f"{root} already holds {what}. Choose another folder, or pass overwrite=True "
             "(CLI: --overwrite) to replace it."
@@ -110,13 +105,11 @@ def prepare_digits(
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
     try:
         for split, idx in (("train", train_idx), ("val", val_idx)):
-            for c in range(10):
-                (tmp / split / str(c)).mkdir(parents=True)
             for i in sorted(idx):
-                img = Image.fromarray(images[i], mode="L").resize(
-                    (image_size, image_size), Image.BICUBIC
-                )
-                img.save(tmp / split / str(digits.target[i]) / f"{i:04d}.png", optimize=False)
+                folder = tmp / split / str(digits.target[i])
+                folder.mkdir(parents=True, exist_ok=True)
+                img = Image.fromarray(images[i], mode="L")
+                img.resize((image_size, image_size), Image.BICUBIC).save(folder / f"{i:04d}.png")
         summary = inspect_dataset(tmp, show=False, write_manifest=False)
         _write_manifest(tmp, summary, source="digits", params=params)
         old = root.with_name(f".{root.name}.old-{os.getpid()}")
@@ -134,20 +127,17 @@ def _check_class_folder(folder: Path, sizes: Counter[str], problems: list[str]) 
     from PIL import Image
 
     n = 0
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            if not name.lower().endswith(IMAGE_EXTENSIONS):
-                problems.append(f"non-image file: {path}")
-                continue
-            try:
-                with Image.open(path) as im:
-                    im.load()  # decodes fully: truncated files fail here
-                    sizes[f"{im.width}x{im.height}"] += 1
-                n += 1
-            except Exception as e:
-                problems.append(f"unreadable or corrupt image: {path} ({e})")
+    for path in sorted(p for p in folder.rglob("*") if not p.is_dir()):  # broken links too
+        if not path.name.lower().endswith(IMAGE_EXTENSIONS):
+            problems.append(f"non-image file: {path}")
+            continue
+        try:
+            with Image.open(path) as im:
+                im.load()  # decodes fully: truncated files fail here
+                sizes[f"{im.width}x{im.height}"] += 1
+            n += 1
+        except Exception as e:
+            problems.append(f"unreadable or corrupt image: {path} ({e})")
     return n
 
 
@@ -156,9 +146,8 @@ def inspect_dataset(
 ) -> DatasetSummary:
     """Check an ImageFolder dataset with ``train/`` and ``val/`` and summarise it.
 
-    Every problem is collected (missing split, class sets that differ, empty class,
-    unreadable image by path, non-image file), then the summary is printed (``show``)
-    and, when the folder is writable, saved with the fingerprint to ``manifest.json``.
+    Every problem is collected, then the summary is printed (``show``) and, when the folder is
+    writable, saved with the fingerprint to ``manifest.json``.
     """
     root = Path(root)
     if not root.is_dir():
@@ -228,13 +217,10 @@ def _write_manifest(root: Path, summary: DatasetSummary, source, params) -> None
 def subset_dataset(
     source: str | os.PathLike, root: str | os.PathLike, *, train: int | None, val: int | None
 ) -> Path:
-    """Copy a class-balanced subset of an ImageFolder dataset to ``root``.
+    """Copy a class-balanced subset of an ImageFolder dataset to ``root`` (``None``: a whole split).
 
-    Images are taken in turn from each class (sorted file order), so every class keeps
-    its share; ``None`` keeps a whole split. The source's ``source`` tag is kept (the
-    digits stay "digits" for augmentation). Calling again with the same arguments does
-    nothing; another subset in ``root`` is replaced. Notebook 06 uses it for a val split
-    that no small world size divides.
+    The source's ``source`` tag is kept (digits stay "digits" for augmentation). Calling again
+    with the same arguments does nothing; another subset in ``root`` is replaced.
     """
     source, root = Path(source), Path(root)
     summary = require_valid_dataset(source)

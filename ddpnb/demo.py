@@ -1,8 +1,7 @@
 """The main job (``make demo``): run the notebooks in order with papermill.
 
-Executed notebooks go to ``--out``, with the figures they show as PNG files
-(``03_figure1.png``, ...); the summary printed at the end is read from the run
-directories the notebooks wrote. ``python -m ddpnb.demo --out runs/demo [--quick]``
+``python -m ddpnb.demo --out runs/demo [--quick]``: executed notebooks and the figures they show
+(``03_figure1.png``, ...) go to ``--out``; the summary at the end is read from their run dirs.
 """
 
 from __future__ import annotations
@@ -95,8 +94,7 @@ def save_figures(notebook: Path, folder: Path) -> None:
     images = [
         o["data"]["image/png"]
         for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
+        for o in c.get("outputs", [])  # code cells only have outputs
         if "image/png" in o.get("data", {})
     ]
     for i, data in enumerate(images, 1):
@@ -113,15 +111,10 @@ def summary_lines(out: Path) -> list[str]:
         return load_metrics(run).final if (run / "metrics.jsonl").is_file() else None
 
     lines = []
-    if b := final("baseline"):
-        lines.append(
-            f"baseline (1 process):  val_acc {b['val_acc']:.4f}  {b['images_per_second']:.0f} img/s"
-        )
-    if d := final("ddp"):
-        lines.append(
-            f"DDP (world size {d['world_size']}):   val_acc {d['val_acc']:.4f}  "
-            f"{d['images_per_second']:.0f} img/s"
-        )
+    for name, label in (("baseline", "baseline (1 process): "), ("ddp", "DDP (world size {}):  ")):
+        if r := final(name):
+            who = label.format(r["world_size"])
+            lines.append(f"{who} val_acc {r['val_acc']:.4f}  {r['images_per_second']:.0f} img/s")
     if final("fault") and final("fault_uninterrupted"):
         clean = load_metrics(out / "fault_uninterrupted").epochs
         drill = load_metrics(out / "fault").epochs[: len(clean)]  # before the extra epoch

@@ -57,17 +57,12 @@ def read_json(path: str | os.PathLike) -> dict:
 
 
 def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
-    """Load ``metrics.jsonl``, the rank files and the config of a run directory.
-
-    >>> load_metrics("runs/baseline").final["val_acc"]   # doctest: +SKIP
-    0.97
-    """
+    """Load ``metrics.jsonl``, the rank files and the config of a run directory."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"Run directory {run_dir} does not exist.")
     ranks = {
-        int(path.stem.split("-")[1]): read_jsonl(path)
-        for path in (run_dir / "ranks").glob("rank-*.jsonl")
+        int(p.stem.split("-")[1]): read_jsonl(p) for p in (run_dir / "ranks").glob("rank-*.jsonl")
     }
     return RunMetrics(
         run_dir,

@@ -53,15 +53,10 @@ def run_dir() -> Path | None:
 
 
 def _write_progress(record: dict) -> None:
-    folder = run_dir()
-    if folder is None:
+    if (folder := run_dir()) is None:
         return
-    record = {
-        **record,
-        "time": time.time(),
-        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "first_step_time": _state["first_step_time"],
-    }
+    record.update(time=time.time(), first_step_time=_state["first_step_time"])
+    record["restart_count"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     tmp = folder / f".progress.json.{os.getpid()}"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, folder / "progress.json")  # a reader never sees half a record
@@ -74,15 +69,16 @@ def joined(world_size: int | None = None) -> None:
 
 
 def step(step: int, steps: int, *, epoch: int = 1, epochs: int = 1, loss=None) -> None:
-    """Step ``step`` of ``steps`` in epoch ``epoch`` of ``epochs`` is done (1-based).
-
-    ``loss`` may be a number or a one-element tensor: it is read (a device sync) only
-    when a record is written, at most every INTERVAL seconds, on rank 0.
-    """
+    """Step ``step`` of ``steps`` in epoch ``epoch`` of ``epochs`` is done (1-based). ``loss``,
+    a number or a one-element tensor, is read (a device sync) only when a record is written: at
+    most every INTERVAL seconds, on rank 0."""
     if _state["first_step_time"] is None:
         _state["first_step_time"] = time.time()
-        _state["fault"] = _this_process_fault()  # read once: the steps only compare numbers
         _state["under_torchrun"] = "TORCHELASTIC_RUN_ID" in os.environ
+        # DDPNB_FAULT, read once, if it names this rank and attempt: the steps compare numbers.
+        fault = parse_fault(os.environ.get(FAULT_ENV, ""))
+        here = [int(os.environ.get(k, 0)) for k in ("RANK", "TORCHELASTIC_RESTART_COUNT")]
+        _state["fault"] = fault if fault and [fault["rank"], fault["restart"]] == here else None
     if _state["under_torchrun"] and os.getppid() != _state["agent_pid"]:
         raise RuntimeError(
             f"The torchrun agent (pid {_state['agent_pid']}) of node "
@@ -122,18 +118,10 @@ def parse_fault(spec: str) -> dict | None:
     return fault
 
 
-def _this_process_fault() -> dict | None:
-    """``DDPNB_FAULT`` if it names this rank and attempt, else None."""
-    fault = parse_fault(os.environ.get(FAULT_ENV, ""))
-    here = (int(os.environ.get("RANK", 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    return fault if fault and (fault["rank"], fault["restart"]) == here else None
-
-
 def epoch(epoch: int, **metrics: float) -> None:
     """Epoch ``epoch`` is done: one row of ``metrics.jsonl`` (``train_loss``, ``val_acc``, ...).
     Reduce the numbers over all ranks first (sums and counts, then divide)."""
-    folder = run_dir()
-    if folder is None:
+    if (folder := run_dir()) is None:
         return
     row = {"epoch": epoch, "world_size": int(os.environ.get("WORLD_SIZE", 1)), **metrics}
     with open(folder / "metrics.jsonl", "a") as f:
@@ -144,9 +132,5 @@ def epoch(epoch: int, **metrics: float) -> None:
 
 def done(epochs: int | None = None, steps: int | None = None) -> None:
     """Training has finished (the panel shows the run as done)."""
-    record = {"phase": "done"}
-    if epochs is not None:
-        record.update(epoch=epochs, epochs=epochs)
-    if steps is not None:
-        record.update(step=steps, steps=steps)
-    _write_progress(record)
+    counts = {"epoch": epochs, "epochs": epochs, "step": steps, "steps": steps}
+    _write_progress({"phase": "done", **{k: v for k, v in counts.items() if v is not None}})

@@ -15,22 +15,11 @@ from .script import Script
 
 WORKER_NAME = "train_ddp.py"
 # What every run writes besides its script's files (overwrite=True removes both, nothing else).
-PRODUCTS = (
-    "metrics.jsonl",
-    "progress.json",
-    "effective_config.json",
-    "ranks",
-    "checkpoints",
-    "logs",
-)
+PRODUCTS = "metrics.jsonl progress.json effective_config.json ranks checkpoints logs".split()
 
 
 def write_worker(config: TrainConfig, run_dir: str | os.PathLike) -> Path:
-    """Write ``train_ddp.py``, ``config.json`` and the reporting file: a folder torch alone runs.
-
-    >>> write_worker(TrainConfig(data_dir="data/digits"), "runs/x")  # doctest: +SKIP
-    PosixPath('runs/x/train_ddp.py')
-    """
+    """Write ``train_ddp.py``, ``config.json`` and the reporting file: a folder torch alone runs."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for name, data in Script.worker(config).payload().items():
@@ -52,13 +41,9 @@ def prepare_run_dir(
         raise RunDirError("Pass either resume=True or overwrite=True, not both.")
     found = [p for p in (*payload, *PRODUCTS) if (run_dir / p).exists()]  # the script's too
     if "logs" not in found and "metrics.jsonl" not in found and config is None:
+        theirs = {n: run_dir / n for n in found if n in payload}  # named like the script's files
+        clash = [n for n, p in theirs.items() if not p.is_file() or p.read_bytes() != payload[n]]
         found = [n for n in found if n not in payload]  # the user's own files, not a run
-        clash = [
-            n
-            for n in payload
-            if (run_dir / n).exists()
-            and not ((run_dir / n).is_file() and (run_dir / n).read_bytes() == payload[n])
-        ]
         if clash:
             raise RunDirError(
                 f"{run_dir} holds other files named {', '.join(clash)}: the run would overwrite "
@@ -72,7 +57,17 @@ def prepare_run_dir(
             "checkpoint, overwrite=True (CLI: --overwrite) to replace it, or choose another run_dir."
         )
     if resume and config is not None and (run_dir / "config.json").exists():
-        _check_same_config(run_dir, config)
+        new = config.to_dict()
+        # A run written before a field existed ran with that field's default.
+        before = {**TrainConfig().to_dict(), **read_json(run_dir / "config.json")}
+        changed = sorted(k for k in new if k not in RESUMABLE_KEYS and before.get(k) != new[k])
+        if changed:
+            raise RunDirError(
+                f"{run_dir} holds a run with a different config (differs in: "
+                f"{', '.join(changed)}). Resume with the same settings (only epochs, timeouts and "
+                "comm settings may change), or pass overwrite=True to replace that run, or choose "
+                "another run_dir."
+            )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".ddpnb-write-test-{os.getpid()}"
@@ -88,16 +83,3 @@ def prepare_run_dir(
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     return run_dir
-
-
-def _check_same_config(run_dir: Path, config: TrainConfig) -> None:
-    new = config.to_dict()
-    # A run written before a field existed ran with that field's default.
-    before = {**TrainConfig().to_dict(), **read_json(run_dir / "config.json")}
-    changed = sorted(k for k in new if k not in RESUMABLE_KEYS and before.get(k) != new[k])
-    if changed:
-        raise RunDirError(
-            f"{run_dir} holds a run with a different config (differs in: {', '.join(changed)}). "
-            "Resume with the same settings (only epochs, timeouts and comm settings may "
-            "change), or pass overwrite=True to replace that run, or choose another run_dir."
-        )

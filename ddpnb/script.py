@@ -28,9 +28,6 @@ class Script:
     A ``Script`` goes wherever a ``TrainConfig`` does. ``files`` (modules, configs, small data)
     are copied to the run directory, a relative path at its place, an absolute one at the top;
     above ``max_copy_mb`` in all the launch refuses: keep large data on a shared filesystem.
-
-    >>> Script("src/train.py", args=["config/small.json"], files=["mypkg", "config"]).name
-    'src/train.py'
     """
 
     path: str | os.PathLike
@@ -51,8 +48,7 @@ class Script:
                     f"Script {field} must be a list, e.g. {field}=['a', 'b'], got {value!r}."
                 )
             object.__setattr__(self, field, tuple(value))
-        bad = [a for a in self.args if not isinstance(a, str)]
-        if bad:
+        if bad := [a for a in self.args if not isinstance(a, str)]:
             raise ConfigError(f"Script args must be strings (as on a command line): {bad!r}.")
         limit = self.max_copy_mb
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
@@ -68,8 +64,7 @@ class Script:
     def check(self) -> None:
         """Raise ConfigError unless every file exists, has a place of its own, and fits."""
         given = [Path(self.path), *map(Path, self.files)]
-        missing = [str(p) for p in given if not p.exists()]
-        if missing:
+        if missing := [str(p) for p in given if not p.exists()]:
             raise ConfigError(
                 f"{', '.join(missing)}: no such file or folder. Pass the path of the script "
                 "(and of each file or folder it needs) as it is on this machine; a relative "
@@ -90,23 +85,33 @@ class Script:
                 f"{REPORTING_NAME}, {MESHCHECK_NAME} and {HOOKS_DIR}/ are ddpnb's). Rename or "
                 "move one of them."
             )
-        for path in given:
-            if path.suffix == ".py" and path.is_file():
-                _compile(path)
-        _check_size(sources, self.max_copy_mb)
+        for path in [p for p in given if p.suffix == ".py" and p.is_file()]:
+            _compile(path)
+        sizes = Counter()  # bytes by path given
+        for _, file, path in sources:
+            sizes[path] += file.stat().st_size
+        total = sum(sizes.values())
+        if total > self.max_copy_mb * 1e6:
+            items = ", ".join(f"{path} ({_size(size)})" for path, size in sizes.most_common(3))
+            need = int(total / 1e6) + 1
+            raise ConfigError(
+                f"The script and its files are {_size(total)}, more than max_copy_mb="
+                f"{self.max_copy_mb:g} to copy into the run directory (and to every host that "
+                f"does not share it); the largest: {items}. Nothing was started. Keep large data "
+                "on a filesystem every node shares and pass its absolute path in the script's "
+                f"arguments (never copied), or allow the copy: Script(..., max_copy_mb={need}) "
+                f"(CLI: --max-copy-mb {need})."
+            )
 
     def payload(self) -> dict[str, bytes]:
         """Every file the run directory gets, by its path there."""
         out = {name: path.read_bytes() for name, path, _ in self._sources()}
-        out.update(self.generated)
-        out[REPORTING_NAME] = REPORTING_PATH.read_bytes()
-        return out
+        return {**out, **self.generated, REPORTING_NAME: REPORTING_PATH.read_bytes()}
 
     def _sources(self) -> list[tuple[str, Path, str]]:
         """(place in the run directory, file here, path given) of every file copied, once."""
         out = {}  # (place, real file) -> the first (place, file, path given)
-        given = [(self.name, self.path), *((_place(f), f) for f in self.files)]
-        for place, path in given:
+        for place, path in [(self.name, self.path), *((_place(f), f) for f in self.files)]:
             for name, file in _walk(place, Path(path)):
                 out.setdefault((name, os.path.realpath(file)), (name, file, str(path)))
         return list(out.values())
@@ -122,9 +127,6 @@ class Script:
         """ddpnb's tutorial worker as a Script: ``train_ddp.py --config config.json``.
 
         ``path``: another version of the worker to run under that name (notebook 06's pitfalls).
-
-        >>> Script.worker(TrainConfig()).command("/runs/a")  # doctest: +SKIP
-        ['/runs/a/train_ddp.py', '--config', '/runs/a/config.json']
         """
         from .source import WORKER_PATH
 
@@ -153,33 +155,11 @@ def _place(path: str | os.PathLike) -> str:
 
 
 def _walk(place: str, path: Path) -> list[tuple[str, Path]]:
+    """A file, or a folder's files (not in __pycache__, no broken links), by place."""
     if not path.is_dir():
         return [(place, path)]
-    out = []
-    for folder, dirs, names in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for file in (Path(folder) / n for n in sorted(names)):
-            if file.is_file():  # not a broken link
-                out.append((f"{place}/{file.relative_to(path).as_posix()}", file))
-    return out
-
-
-def _check_size(sources: list[tuple[str, Path, str]], max_mb: float) -> None:
-    sizes = Counter()  # bytes by path given
-    for _, file, given in sources:
-        sizes[given] += file.stat().st_size
-    total = sum(sizes.values())
-    if total <= max_mb * 1e6:
-        return
-    items = ", ".join(f"{given} ({_size(size)})" for given, size in sizes.most_common(3))
-    need = int(total / 1e6) + 1
-    raise ConfigError(
-        f"The script and its files are {_size(total)}, more than max_copy_mb={max_mb:g} "
-        f"to copy into the run directory (and to every host that does not share it); the "
-        f"largest: {items}. Nothing was started. Keep large data on a filesystem every node "
-        "shares and pass its absolute path in the script's arguments (never copied), or allow "
-        f"the copy: Script(..., max_copy_mb={need}) (CLI: --max-copy-mb {need})."
-    )
+    files = (f.relative_to(path) for f in sorted(path.rglob("*")) if f.is_file())
+    return [(f"{place}/{f.as_posix()}", path / f) for f in files if "__pycache__" not in f.parts]
 
 
 def _size(n: int) -> str:
@@ -188,9 +168,8 @@ def _size(n: int) -> str:
 
 def _compile(path: Path) -> None:
     """ConfigError naming the file, line and text of a syntax error (nothing has started)."""
-    source = path.read_bytes()
     try:
-        compile(source, str(path), "exec", dont_inherit=True)
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
     except SyntaxError as e:
         text = (e.text or "").rstrip()
         caret = " " * max((e.offset or 1) - 1 - (len(text) - len(text.lstrip())), 0) + "^"
