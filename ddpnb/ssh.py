@@ -1,9 +1,6 @@
 """Reaching real machines over SSH: the system's OpenSSH client; the hosts need only Python.
 
-Remote lines are built with ``shlex`` from argument lists. What runs on the hosts (the probe,
-the file transfers as tar streams) is :func:`helpers`: functions of this module whose source
-goes as ``python -c``, so the hosts need no ``scp``, ``tar``, nor anything of ddpnb.
-"""
+What runs there (the probe, tar streams of files) is :func:`helpers`, sent as ``python -c``."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -123,13 +121,18 @@ class Ssh:
     def command(self, host: Host, remote: str) -> list[str]:
         return [*self.args(host, "-T"), remote]
 
+    def helper(
+        self, host: Host, python: str, name: str, *args, timeout: float, input: bytes = b""
+    ) -> subprocess.CompletedProcess:
+        """``name(*args)`` of :func:`helpers` on ``host``, ``input`` its stdin."""
+        cmd = self.command(host, remote_line([python, "-c", helpers(), name, json.dumps(args)]))
+        return subprocess.run(cmd, input=input, capture_output=True, timeout=timeout)
+
     def hostname(self, host: Host) -> str:
         """The address ssh connects to for ``host`` (its config's ``HostName``, ``ssh -G``)."""
         out = subprocess.run(self.args(host, "-G"), capture_output=True, text=True, timeout=10)
-        for line in out.stdout.splitlines():
-            if line.startswith("hostname "):
-                return line[9:].strip()
-        return host.name
+        found = re.search(r"^hostname (.+)$", out.stdout, re.M)
+        return found[1].strip() if found else host.name
 
 
 def remote_line(
@@ -234,14 +237,6 @@ def helpers() -> str:
     )
 
 
-def run_helper(
-    ssh: Ssh, host: Host, python: str, name: str, *args, timeout: float, input: bytes = b""
-) -> subprocess.CompletedProcess:
-    """``name(*args)`` of :func:`helpers` on ``host``, ``input`` its stdin."""
-    cmd = ssh.command(host, remote_line([python, "-c", helpers(), name, json.dumps(args)]))
-    return subprocess.run(cmd, input=input, capture_output=True, timeout=timeout)
-
-
 # -- preflight: one probe per host, all in parallel ------------------------------------
 
 
@@ -265,12 +260,12 @@ def ssh_failure(returncode: int, stderr: str, python: str) -> str:
     return f"failed the probe ({last})"
 
 
-def _ask(ssh: Ssh, host: Host, python: str, args: dict, timeout=PROBE_TIMEOUT) -> dict | str:
+def _ask(ssh: Ssh, host: Host, python: str, args: dict) -> dict | str:
     """``host``'s probe report, or why it gave none."""
     try:
-        out = run_helper(ssh, host, python, "probe", args, timeout=timeout)
+        out = ssh.helper(host, python, "probe", args, timeout=PROBE_TIMEOUT)
     except subprocess.TimeoutExpired:
-        return f"did not answer within {timeout:.0f} s"
+        return f"did not answer within {PROBE_TIMEOUT:.0f} s"
     except OSError as e:
         return f"could not run ssh ({e})"
     for line in out.stdout.decode(errors="replace").splitlines():
