@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import secrets
 import shlex
@@ -28,10 +29,11 @@ from .pipeline import AGENT, Processes
 from .preflight import as_config, check_run
 from .rundir import PRODUCTS
 from .script import Script
-from .ssh import SSH_FAILED, Ssh, pack, parse_hosts, probe_hosts, remote_line, ssh_failure, unpack
+from .ssh import SSH_FAILED, Ssh, pack, parse_hosts, remote_line, ssh_failure, unpack
 from .tables import Table
 from .topology import Topology
 
+PROBE_TIMEOUT = 15.0  # seconds a host has to answer the probe
 REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace (5 s)
 SYNC_SECONDS = 2.0  # how often node 0's progress is copied here (one SSH login each)
 STACKS_SYNC_SECONDS = 5.0  # how often the ranks' stacks are copied here (one login per host)
@@ -63,7 +65,7 @@ class Hosts(Processes):
         ssh_config: str | os.PathLike | None,
         ssh_options: Sequence[str],
         python: str | None,
-        remote_run_dir: str | None,
+        remote_run_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.parsed = parse_hosts(hosts)
@@ -106,35 +108,92 @@ class Hosts(Processes):
         )
 
     def survey(self, config, folder: Path | None, user_env: Mapping[str, str], launch=None):
-        """Probe every host, then prove the network (``self.network``): a report per host.
+        """Probe every host at once, then prove the network (``self.network``): a report per
+        host, or one :class:`HostError` naming every host that cannot run the job, and why.
 
-        ``folder``: a folder here (does each host see it?). ``launch``: a launch's remote run
-        directory and the names to look for there; node 0's port is then found (None) or
-        checked free.
+        ``config``: the worker's (its dataset is checked), or None. ``folder``: a folder here
+        (does each host see it?). ``launch``: a launch's remote run directory and the names to
+        look for there; node 0's port is then found (None) or checked free.
         """
         data_dir = config.data_dir if config is not None else None
+        gpus = config is not None and config.backend == "nccl"
         token = secrets.token_hex(8)  # in a file of ``folder``: does the host see it?
         marker = folder / f".ddpnb-shared-{token}" if folder else None
         if marker:
             marker.write_text(token)
         remote_dir, held = launch or ("", [])
         port = self.topology.master_port
-        asked = {"data_dir": data_dir, "gpus": config is not None and config.backend == "nccl"}
-        asked |= {"marker": str(marker or ""), "token": token, "dir": remote_dir, "held": held}
-        asked["port"] = (port or 0) if launch else None
+        asked = {"data_dir": data_dir, "gpus": gpus, "marker": str(marker or ""), "token": token}
+        asked |= {"dir": remote_dir, "held": held, "port": None}
+        each = [asked | {"port": (port or 0) if launch else None}] + [asked] * (self.nnodes - 1)
         try:
-            reports = probe_hosts(self.ssh, self.parsed, self.python, asked, self.nproc_per_node)
+            with ThreadPoolExecutor(max_workers=min(32, self.nnodes)) as pool:
+                got = list(pool.map(self._ask, range(self.nnodes), each))
         finally:
             if marker:
                 marker.unlink()
+        problems = [(h, r) for h, r in zip(self.hosts, got) if isinstance(r, str)]
+        reports = [(h, r) for h, r in zip(self.hosts, got) if isinstance(r, dict)]
+        needed = ("torch", "torchvision") if data_dir is not None else ("torch",)
+        for host, r in reports:
+            missing = " or ".join(pkg for pkg in needed if not r[pkg])
+            if missing:
+                why = f"has no {missing} for {r['python']}: pip install {' '.join(needed)} there "
+                problems.append((host, why + "(or pass python= naming an interpreter that has it)"))
+            elif data_dir is not None and r["fingerprint"] is None:
+                why = f"has no dataset at {data_dir} (train/ and val/): copy it there with rsync -a"
+                problems.append((host, why))
+            elif gpus and r.get("gpus", 0) < self.nproc_per_node:
+                why = f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={self.nproc_per_node}"
+                problems.append((host, why))
+        _refuse("Preflight failed; nothing was started", problems)
+        release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
+        base = release(reports[0][1])
+        odd = [
+            (h, f"has torch {r['torch']}, torchvision {r['torchvision']}")
+            for h, r in reports
+            if release(r) != base
+        ]
+        head = f"The hosts run different versions of torch/torchvision (node 0: {base}); install "
+        _refuse(head + "the same on every host", odd)
+        first = reports[0][1]["fingerprint"] or ""  # without a data_dir, every one is None
+        differ = [
+            (h, f"holds fingerprint {r['fingerprint'][:12]}")
+            for h, r in reports
+            if (r["fingerprint"] or "") != first
+        ]
+        head = (
+            f"The dataset at {data_dir} differs from node 0's ({self.hosts[0]}, fingerprint "
+            f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
+        )
+        _refuse(head, differ)
+        if each[0]["port"] and got[0]["port"] is None:
+            raise HostError(
+                f"Port {port} is already in use on node 0 ({self.hosts[0]}). Pass another "
+                "master_port, or None to pick a free one.",
+                host=self.hosts[0],
+            )
         self.network = check_network(
             self.ssh, self.parsed, self.python,
             master_addr=self.topology.master_addr or self.ssh.hostname(self.parsed[0]),
-            master_port=reports[0]["port"] if launch else port,
+            master_port=got[0]["port"] if launch else port,
             backend="gloo" if config is not None and config.backend == "gloo" else "nccl",
             user_env=user_env,
         )  # fmt: skip
-        return reports
+        return got
+
+    def _ask(self, n: int, args: dict) -> dict | str:
+        """Node ``n``'s probe report, or why it gave none."""
+        try:
+            out = self._helper(n, "probe", args, timeout=PROBE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return f"did not answer within {PROBE_TIMEOUT:.0f} s"
+        except OSError as e:
+            return f"could not run ssh ({e})"
+        for line in out.stdout.decode(errors="replace").splitlines():
+            if line.startswith("DDPNB-PROBE "):
+                return json.loads(line.split(" ", 1)[1])
+        return ssh_failure(out.returncode, out.stderr.decode(errors="replace"), self.python)
 
     def start(self, plan, run_dir: Path, topology: Topology) -> None:
         files = io.BytesIO()  # a tar stream of the files (the pipeline wrote them here)
@@ -265,19 +324,9 @@ def check_hosts(
     script. ``run_dir`` (an existing folder here): each row says if that host sees it.
     Raises :class:`~ddpnb.errors.HostError` (or :class:`~ddpnb.errors.NetworkError`) naming
     every host or pair that cannot run the job.
-
     """
     nodes = Hosts(
-        hosts,
-        nproc_per_node,
-        master_addr,
-        master_port,
-        60,
-        0,
-        ssh_config,
-        ssh_options,
-        python,
-        None,
+        hosts, nproc_per_node, master_addr, master_port, 60, 0, ssh_config, ssh_options, python
     )
     if config is not None:
         config = check_run(as_config(config), nodes.nnodes * nproc_per_node, here=False)
@@ -317,9 +366,6 @@ def ssh_commands(
     ``network``: :func:`check_hosts`' ``rows.network``, whose interface variables
     (``GLOO_SOCKET_IFNAME``...) each line sets: a host whose name resolves to loopback needs
     them. No host is contacted.
-
-    >>> ssh_commands(Script("train.py"), "/shared/run", ["gpu1", "gpu2"])[1]   # doctest: +SKIP
-    "ssh -t -- gpu2 'cd /shared/run && torchrun --nnodes=2 --node_rank=1 ... /shared/run/train.py'"
     """
     from .cluster import node_commands
 
@@ -335,3 +381,10 @@ def ssh_commands(
         remote = f"cd {shlex.quote(str(run_dir))} && {prefix}{line}"
         out.append(shlex.join([*ssh.args(host, "-t", defaults=False), remote]))
     return out
+
+
+def _refuse(head: str, found: Sequence[tuple[str, str]]) -> None:
+    """Raise a HostError naming each host of ``found`` and why, if any."""
+    if found:
+        lines = "\n".join(f"  - {h} {why}." for h, why in found)
+        raise HostError(f"{head}:\n{lines}", host=found[0][0])

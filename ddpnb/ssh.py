@@ -17,17 +17,15 @@ import subprocess
 import sys
 import tarfile
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .constants import dataset_files, dataset_fingerprint
-from .errors import ConfigError, HostError
+from .errors import ConfigError
 
 # Unless ssh_options say otherwise (ssh keeps an option's first value): never prompt, which
 # would hang the cell; a host that stops answering ends its ssh within ~15 s (a lost node).
 SSH_DEFAULTS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 SSH_DEFAULTS += ("-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")
-PROBE_TIMEOUT = 15.0
 SSH_FAILED = 255  # ssh's exit status for its own errors (connection, authentication)
 
 
@@ -237,9 +235,6 @@ def helpers() -> str:
     )
 
 
-# -- preflight: one probe per host, all in parallel ------------------------------------
-
-
 def ssh_failure(returncode: int, stderr: str, python: str) -> str:
     """ssh's or the remote shell's failure, with the fix."""
     last = " ".join(stderr.strip().splitlines()[-2:]) or f"exit code {returncode}"
@@ -258,81 +253,3 @@ def ssh_failure(returncode: int, stderr: str, python: str) -> str:
             "naming the interpreter with torch and torchvision on the hosts"
         )
     return f"failed the probe ({last})"
-
-
-def _ask(ssh: Ssh, host: Host, python: str, args: dict) -> dict | str:
-    """``host``'s probe report, or why it gave none."""
-    try:
-        out = ssh.helper(host, python, "probe", args, timeout=PROBE_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return f"did not answer within {PROBE_TIMEOUT:.0f} s"
-    except OSError as e:
-        return f"could not run ssh ({e})"
-    for line in out.stdout.decode(errors="replace").splitlines():
-        if line.startswith("DDPNB-PROBE "):
-            return json.loads(line.split(" ", 1)[1])
-    return ssh_failure(out.returncode, out.stderr.decode(errors="replace"), python)
-
-
-def probe_hosts(
-    ssh: Ssh, hosts: Sequence[Host], python: str, asked: dict, nproc_per_node: int
-) -> list[dict]:
-    """Ask every host at once what the preflight needs to know: a report per host, or one
-    :class:`HostError` naming every host that cannot run the job, and why.
-
-    ``asked``: :func:`probe`'s ``args`` (a ``data_dir`` only for ddpnb's worker; the ``port`` is
-    node 0's, to check free, 0: to find one).
-    """
-    data_dir, gpus, port = asked["data_dir"], asked["gpus"], asked["port"]
-    each = [{**asked, "port": port if n == 0 else None} for n in range(len(hosts))]
-    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        got = list(pool.map(lambda h, a: _ask(ssh, h, python, a), hosts, each))
-    problems = [(h, r) for h, r in zip(hosts, got) if isinstance(r, str)]
-    reports = [(h, r) for h, r in zip(hosts, got) if isinstance(r, dict)]
-    needed = ("torch", "torchvision") if data_dir is not None else ("torch",)
-    for host, r in reports:
-        missing = " or ".join(pkg for pkg in needed if not r[pkg])
-        if missing:
-            why = f"has no {missing} for {r['python']}: pip install {' '.join(needed)} there (or "
-            problems.append((host, why + "pass python= naming an interpreter that has it)"))
-        elif data_dir is not None and r["fingerprint"] is None:
-            why = f"has no dataset at {data_dir} (train/ and val/): copy it there with rsync -a"
-            problems.append((host, why))
-        elif gpus and r.get("gpus", 0) < nproc_per_node:
-            why = f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={nproc_per_node}"
-            problems.append((host, why))
-    _refuse("Preflight failed; nothing was started", problems)
-    release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
-    base = release(reports[0][1])
-    odd = [
-        (h, f"has torch {r['torch']}, torchvision {r['torchvision']}")
-        for h, r in reports
-        if release(r) != base
-    ]
-    head = f"The hosts run different versions of torch/torchvision (node 0: {base}); install "
-    _refuse(head + "the same on every host", odd)
-    first = reports[0][1]["fingerprint"] or ""  # without a data_dir, every one is None
-    differ = [
-        (h, f"holds fingerprint {r['fingerprint'][:12]}")
-        for h, r in reports
-        if (r["fingerprint"] or "") != first
-    ]
-    head = (
-        f"The dataset at {data_dir} differs from node 0's ({reports[0][0].spec}, fingerprint "
-        f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
-    )
-    _refuse(head, differ)
-    if port and reports[0][1]["port"] is None:
-        raise HostError(
-            f"Port {port} is already in use on node 0 ({reports[0][0].spec}). Pass another "
-            "master_port, or None to pick a free one.",
-            host=reports[0][0].spec,
-        )
-    return got
-
-
-def _refuse(head: str, found: Sequence[tuple[Host, str]]) -> None:
-    """Raise a HostError naming each host of ``found`` and why, if any."""
-    if found:
-        lines = "\n".join(f"  - {h.spec} {why}." for h, why in found)
-        raise HostError(f"{head}:\n{lines}", host=found[0][0].spec)
