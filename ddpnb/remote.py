@@ -41,11 +41,7 @@ FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_",
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The distributed-backend settings of ``environ`` that SSH hosts receive.
-
-    >>> forwarded_env({"NCCL_DEBUG": "INFO", "HOME": "/root"})
-    {'NCCL_DEBUG': 'INFO'}
-    """
+    """The distributed-backend settings of ``environ`` (``NCCL_DEBUG``...) that hosts receive."""
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 

@@ -66,9 +66,6 @@ ENDED_HINTS = {
 }
 
 
-# -- talking to Slurm ----------------------------------------------------------------------
-
-
 def _slurm(
     argv: list[str],
     env: Mapping[str, str] | None = None,
@@ -142,9 +139,6 @@ def _read_tail(path: Path, lines: int) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-# -- the job -------------------------------------------------------------------------------
 
 
 class Slurm(Scheduler):
@@ -295,9 +289,8 @@ class Slurm(Scheduler):
         state, code = self.state, _exit_code(self._state)
         if state in ALIVE:
             return dict.fromkeys(range(self.nnodes))
-        if (state == "COMPLETED" and code in (0, None)) or (
-            state == "UNKNOWN" and read_progress(self.run_dir).get("phase") == "done"
-        ):
+        done = state == "UNKNOWN" and read_progress(self.run_dir).get("phase") == "done"
+        if done or (state == "COMPLETED" and code in (0, None)):
             return dict.fromkeys(range(self.nnodes), 0)
         return dict.fromkeys(range(self.nnodes), code or 1)  # the job ended without completing
 
@@ -352,8 +345,6 @@ class Slurm(Scheduler):
             log_tail=log_tail(self.run_dir, 0, 20) or _read_tail(batch_log, 20),
         )
 
-
-# -- the batch script ------------------------------------------------------------------
 
 BATCH = """#!/bin/bash
 {header}
@@ -496,9 +487,6 @@ def slurm_script(
     return text
 
 
-# -- the public entry points --------------------------------------------------------------
-
-
 def submit_slurm(
     what: Script | TrainConfig | Mapping[str, Any],
     run_dir: str | os.PathLike,
@@ -529,8 +517,6 @@ def submit_slurm(
     ``hang_timeout``, ``on_hang``: as in :func:`ddpnb.launch` (``"stop"`` cancels the job).
     Raises :class:`~ddpnb.errors.WorkerFailed` or :class:`SlurmJobEnded` on failure; the
     job outlives this process (:func:`attach` follows it again).
-
-    >>> job = submit_slurm(cfg, "/scratch/me/run", nnodes=2, time="02:00:00")  # doctest: +SKIP
     """
     if not isinstance(sbatch_args, (list, tuple)) or not all(
         isinstance(a, str) for a in sbatch_args
@@ -567,9 +553,8 @@ def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto"
     if record.get("slurm_conf") and "SLURM_CONF" not in env:
         env["SLURM_CONF"] = record["slurm_conf"]  # the cluster it was submitted to
     name = record.get("script", WORKER_NAME)  # its path in the run directory
-    config = None
-    if name == WORKER_NAME and (run_dir / "config.json").exists():
-        config = TrainConfig.load(run_dir / "config.json")
+    worker = name == WORKER_NAME and (run_dir / "config.json").exists()
+    config = TrainConfig.load(run_dir / "config.json") if worker else None
     topology = Topology(  # older records: the defaults
         record["nnodes"], record["nproc_per_node"], None, None,
         record.get("rdzv_timeout", SLURM_RDZV_TIMEOUT), record.get("max_restarts", 0),

@@ -31,11 +31,7 @@ SSH_FAILED = 255  # ssh's exit status for its own errors (connection, authentica
 
 @dataclasses.dataclass(frozen=True)
 class Host:
-    """One host as the user named it: ``name``, ``user@name``, ``name:port``, ``[v6]:port``.
-
-    >>> Host.parse("alice@gpu2:2222")
-    Host(spec='alice@gpu2:2222', name='gpu2', user='alice', port=2222)
-    """
+    """One host as the user named it: ``name``, ``user@name``, ``name:port``, ``[v6]:port``."""
 
     spec: str
     name: str
@@ -73,11 +69,7 @@ class Host:
 
 
 def parse_hosts(hosts: Sequence[str]) -> list[Host]:
-    """The hosts of a run, node 0 first.
-
-    >>> [h.name for h in parse_hosts(["gpu1", "alice@gpu2"])]
-    ['gpu1', 'gpu2']
-    """
+    """The hosts of a run, node 0 first."""
     if isinstance(hosts, str) or not hosts:
         raise ConfigError(
             "hosts must be a non-empty list such as ['gpu1', 'gpu2'] (CLI: --hosts gpu1,gpu2)."
@@ -87,11 +79,7 @@ def parse_hosts(hosts: Sequence[str]) -> list[Host]:
 
 @dataclasses.dataclass
 class Ssh:
-    """How to reach the hosts: ``ssh -F ssh_config`` plus ``ssh_options``, verbatim.
-
-    >>> Ssh().command(Host.parse("gpu1"), "true")[-2:]
-    ['gpu1', 'true']
-    """
+    """How to reach the hosts: ``ssh -F ssh_config`` plus ``ssh_options``, verbatim."""
 
     config: str | os.PathLike | None = None
     options: Sequence[str] = ()
@@ -136,16 +124,32 @@ class Ssh:
 def remote_line(
     argv: Sequence[str], cwd: str | None = None, env: Mapping[str, str] | None = None
 ) -> str:
-    """One remote-shell line running ``argv``; ``exec``: the program holds the session's stdin.
-
-    >>> remote_line(["python", "-c", "print(1)"], cwd="/my runs", env={"A": "b c"})
-    "cd '/my runs' && exec env 'A=b c' python -c 'print(1)'"
-    """
+    """``cd CWD && exec env K=V ARGV``, quoted (``exec``: the program holds the session's stdin)."""
     words = ["exec"]
     if env:
         words += ["env", *(f"{k}={v}" for k, v in env.items())]
     line = shlex.join([*words, *argv])
     return f"cd {shlex.quote(str(cwd))} && {line}" if cwd else line
+
+
+def ssh_failure(returncode: int, stderr: str, python: str) -> str:
+    """ssh's or the remote shell's failure, with the fix."""
+    last = " ".join(stderr.strip().splitlines()[-2:]) or f"exit code {returncode}"
+    if returncode == SSH_FAILED:
+        if "Permission denied" in stderr or "Too many authentication failures" in stderr:
+            return (
+                f"refused the login ({last}). ddpnb logs in without prompting (BatchMode): "
+                "install your public key there (ssh-copy-id) or set IdentityFile in ssh_config"
+            )
+        if "Host key verification failed" in stderr:
+            return f"has an unknown or changed host key ({last}): log in once with ssh to accept it"
+        return f"could not be reached over SSH ({last})"
+    if returncode in (126, 127):
+        return (
+            f"has no Python interpreter at {python} ({last}). Pass python= (CLI: --python) "
+            "naming the interpreter with torch and torchvision on the hosts"
+        )
+    return f"failed the probe ({last})"
 
 
 # -- what runs on the hosts: helpers(), these functions' source ---------------------------------
@@ -161,11 +165,8 @@ def probe(args: dict) -> None:
 
     affinity = getattr(os, "sched_getaffinity", None)
     out = {"python": sys.executable, "cpus": len(affinity(0)) if affinity else os.cpu_count()}
-    for pkg in ("torch", "torchvision"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
+    for pkg in ("torch", "torchvision"):  # None: not installed
+        out[pkg] = next((d.version for d in md.distributions(name=pkg)), None)
     data = args["data_dir"]
     found = data and all(os.path.isdir(os.path.join(data, s)) for s in ("train", "val"))
     out["fingerprint"] = dataset_fingerprint(data) if found else None
@@ -233,23 +234,3 @@ def helpers() -> str:
         + "".join(inspect.getsource(f) for f in _SHIPPED)
         + "globals()[sys.argv[1]](*json.loads(sys.argv[2]))\n"
     )
-
-
-def ssh_failure(returncode: int, stderr: str, python: str) -> str:
-    """ssh's or the remote shell's failure, with the fix."""
-    last = " ".join(stderr.strip().splitlines()[-2:]) or f"exit code {returncode}"
-    if returncode == SSH_FAILED:
-        if "Permission denied" in stderr or "Too many authentication failures" in stderr:
-            return (
-                f"refused the login ({last}). ddpnb logs in without prompting (BatchMode): "
-                "install your public key there (ssh-copy-id) or set IdentityFile in ssh_config"
-            )
-        if "Host key verification failed" in stderr:
-            return f"has an unknown or changed host key ({last}): log in once with ssh to accept it"
-        return f"could not be reached over SSH ({last})"
-    if returncode in (126, 127):
-        return (
-            f"has no Python interpreter at {python} ({last}). Pass python= (CLI: --python) "
-            "naming the interpreter with torch and torchvision on the hosts"
-        )
-    return f"failed the probe ({last})"
