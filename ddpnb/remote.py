@@ -286,9 +286,8 @@ class Hosts(Processes):
             logger.warning("could not copy the results of node %d back from %s", n, self.hosts[n])
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
-        cut = sorted(n for n, rc in failed.items() if rc == SSH_FAILED)
-        if cut:
-            n = cut[0]
+        n = min((n for n, rc in failed.items() if rc == SSH_FAILED), default=None)
+        if n is not None:
             last = log_tail(self.run_dir, n, 1).strip()
             error = NodeLost(
                 f"Node {n} ({self.hosts[n]}) was lost: its SSH connection ended ({last or 'no message'}). "
@@ -332,9 +331,7 @@ def check_hosts(
     for n, (host, r, net) in enumerate(zip(nodes.hosts, reports, nodes.network.rows)):
         row = {"node": n, "host": host, "address": net.address, "interface": net.interface}
         row |= {"reaches node 0": net.reaches_node0, "mesh": net.mesh, "versions": net.versions}
-        row["cpus"] = r["cpus"]
-        if config is not None and config.backend == "nccl":
-            row["gpus"] = r.get("gpus")
+        row |= {k: r[k] for k in ("cpus", "gpus") if k in r}  # gpus: asked of nccl's hosts only
         if config is not None:
             row["dataset"] = (r["fingerprint"] or "")[:12]
         if run_dir is not None:
