@@ -8,6 +8,7 @@ import os
 import shlex
 import warnings
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from typing import Any
 
 from .config import TrainConfig
@@ -60,27 +61,20 @@ def node_commands(
             f"node_rank must be in 0..{nnodes - 1} (node_rank < nnodes = len(hosts)), "
             f"got {node_rank!r}."
         )
-    try:
-        public = ipaddress.ip_address(hosts[0]).is_global
-    except ValueError:
-        public = False  # a hostname: cannot tell
-    if public:
-        warnings.warn(
-            f"master address {hosts[0]} is a public address. torch.distributed's TCPStore has no "
-            "authentication: run multi-node jobs only on a trusted private network.",
-            stacklevel=2,
-        )
+    with suppress(ValueError):  # a hostname: cannot tell
+        if ipaddress.ip_address(hosts[0]).is_global:
+            warnings.warn(
+                f"master address {hosts[0]} is a public address. torch.distributed's TCPStore has "
+                "no authentication: run multi-node jobs only on a trusted private network.",
+                stacklevel=2,
+            )
     # Unique per run directory: two jobs on one endpoint cannot collide.
     rdzv_id = f"ddpnb-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}"
+    options = {"rendezvous": rendezvous, "rdzv_id": rdzv_id}
     lines = [
-        shlex.join(
-            topology.command(
-                launcher, rank, script, str(run_dir), rendezvous=rendezvous, rdzv_id=rdzv_id,
-                local_addr=host,
-            )
-        )
-        for rank, host in enumerate(hosts)
-    ]  # fmt: skip
+        shlex.join(topology.command(launcher, n, script, str(run_dir), local_addr=h, **options))
+        for n, h in enumerate(hosts)
+    ]
     return lines if node_rank is None else [lines[node_rank]]
 
 

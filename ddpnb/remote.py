@@ -1,13 +1,13 @@
 """Launching on real hosts over SSH: one ``torchrun`` per host, followed from here.
 
-A host that does not see this machine's run directory gets the files copied and its results
-brought back. Each host's agent reads its SSH session's input as its lifeline: at its
-end-of-file (the launcher or the connection ended) it stops its node.
-"""
+A host that does not see this run directory gets the files copied and its results brought
+back. Each host's agent stops its node at the end-of-file of its SSH session's input."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import os
 import secrets
 import shlex
@@ -24,26 +24,16 @@ from .diagnosis import log_tail, resume_hint
 from .errors import ConfigError, HostError, NodeLost, RunFailed
 from .hang import WATCH_DIR
 from .log import logger
-from .network import NetworkReport, check_network
+from .network import check_network
 from .pipeline import AGENT, Processes
 from .preflight import as_config, check_run
 from .rundir import PRODUCTS
 from .script import Script
-from .ssh import (
-    SSH_FAILED,
-    Host,
-    Ssh,
-    pack,
-    parse_hosts,
-    probe_hosts,
-    remote_line,
-    run_helper,
-    ssh_failure,
-    unpack,
-)
+from .ssh import SSH_FAILED, Ssh, pack, parse_hosts, remote_line, ssh_failure, unpack
 from .tables import Table
-from .topology import Topology, check_meeting_point, check_shape
+from .topology import Topology
 
+PROBE_TIMEOUT = 15.0  # seconds a host has to answer the probe
 REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace (5 s)
 SYNC_SECONDS = 2.0  # how often node 0's progress is copied here (one SSH login each)
 STACKS_SYNC_SECONDS = 5.0  # how often the ranks' stacks are copied here (one login per host)
@@ -51,11 +41,7 @@ FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_",
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The distributed-backend settings of ``environ`` that SSH hosts receive.
-
-    >>> forwarded_env({"NCCL_DEBUG": "INFO", "HOME": "/root"})
-    {'NCCL_DEBUG': 'INFO'}
-    """
+    """The distributed-backend settings of ``environ`` (``NCCL_DEBUG``...) that hosts receive."""
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
@@ -75,14 +61,14 @@ class Hosts(Processes):
         ssh_config: str | os.PathLike | None,
         ssh_options: Sequence[str],
         python: str | None,
-        remote_run_dir: str | None,
+        remote_run_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.parsed = parse_hosts(hosts)
         self.nnodes, self.nproc_per_node = len(self.parsed), nproc_per_node
-        check_shape(self.nnodes, nproc_per_node, rdzv_timeout, max_restarts)
-        check_meeting_point(master_addr, master_port)
-        self.shape = (master_addr, master_port, rdzv_timeout, max_restarts)
+        self.topology = Topology(  # node 0's address and port: preflight's
+            self.nnodes, nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts
+        )
         self.ssh = Ssh(ssh_config, ssh_options)
         self.python = python or sys.executable
         if remote_run_dir is not None and not str(remote_run_dir).startswith("/"):
@@ -95,38 +81,122 @@ class Hosts(Processes):
 
     def preflight(self, plan, run_dir: Path) -> Topology:
         """Probe every host (and what its copy of the run directory holds), prove the network."""
-        master_addr, master_port, rdzv_timeout, max_restarts = self.shape
         remote_dir = str(self.remote_run_dir or run_dir)
-        reports, master_addr, self.network = _survey(
-            self.ssh, self.parsed, self.python, plan.config, run_dir, self.nproc_per_node,
-            master_addr, master_port, {**forwarded_env(os.environ), **plan.env},
-            launch=(remote_dir, [*PRODUCTS, *plan.payload]),
-        )  # fmt: skip
+        env = {**forwarded_env(os.environ), **plan.env}
+        self.reports = self.survey(
+            plan.config, run_dir, env, (remote_dir, [*PRODUCTS, *plan.payload])
+        )
         self.run_dir = run_dir
-        self.shared = [r["shared"] for r in reports]
-        self.cpus = [r["cpus"] for r in reports]
+        self.shared = [r["shared"] for r in self.reports]
         self.dirs = [str(run_dir) if s else remote_dir for s in self.shared]
-        self.held = [[] if r["shared"] else r["held"] for r in reports]
-        for host, held in zip(self.hosts, self.held):
-            if held and not (plan.resume or plan.overwrite):
+        for host, r in zip(self.hosts, self.reports):
+            if r["held"] and not (r["shared"] or plan.resume or plan.overwrite):
                 raise HostError(
-                    f"{host}:{remote_dir} already holds a run (found {', '.join(held)}). Nothing "
-                    "was changed. Pass resume=True to continue it, overwrite=True to replace it "
-                    "there, or another remote_run_dir.",
+                    f"{host}:{remote_dir} already holds a run (found {', '.join(r['held'])}). "
+                    "Nothing was changed. Pass resume=True to continue it, overwrite=True to "
+                    "replace it there, or another remote_run_dir.",
                     host=host,
                 )
         logger.info("network check:\n%s", self.network.table())
-        port = self.network.master_port
-        return Topology(
-            self.nnodes, self.nproc_per_node, master_addr, port, rdzv_timeout, max_restarts
+        net = self.network
+        return dataclasses.replace(
+            self.topology, master_addr=net.master_addr, master_port=net.master_port
         )
+
+    def survey(self, config, folder: Path | None, user_env: Mapping[str, str], launch=None):
+        """Probe every host at once, then prove the network (``self.network``): a report per
+        host, or one :class:`HostError` naming every host that cannot run the job, and why.
+
+        ``config``: the worker's (its dataset is checked), or None. ``folder``: a folder here
+        (does each host see it?). ``launch``: a launch's remote run directory and the names to
+        look for there; node 0's port is then found (None) or checked free.
+        """
+        data_dir = config.data_dir if config is not None else None
+        gpus = config is not None and config.backend == "nccl"
+        token = secrets.token_hex(8)  # in a file of ``folder``: does the host see it?
+        marker = folder / f".ddpnb-shared-{token}" if folder else None
+        if marker:
+            marker.write_text(token)
+        remote_dir, held = launch or ("", [])
+        port = self.topology.master_port
+        asked = {"data_dir": data_dir, "gpus": gpus, "marker": str(marker or ""), "token": token}
+        asked |= {"dir": remote_dir, "held": held, "port": None}
+        each = [asked | {"port": (port or 0) if launch else None}] + [asked] * (self.nnodes - 1)
+        try:
+            with ThreadPoolExecutor(max_workers=min(32, self.nnodes)) as pool:
+                got = list(pool.map(self._ask, range(self.nnodes), each))
+        finally:
+            if marker:
+                marker.unlink()
+        problems = [(h, r) for h, r in zip(self.hosts, got) if isinstance(r, str)]
+        reports = [(h, r) for h, r in zip(self.hosts, got) if isinstance(r, dict)]
+        needed = ("torch", "torchvision") if data_dir is not None else ("torch",)
+        for host, r in reports:
+            missing = " or ".join(pkg for pkg in needed if not r[pkg])
+            if missing:
+                why = f"has no {missing} for {r['python']}: pip install {' '.join(needed)} there "
+                problems.append((host, why + "(or pass python= naming an interpreter that has it)"))
+            elif data_dir is not None and r["fingerprint"] is None:
+                why = f"has no dataset at {data_dir} (train/ and val/): copy it there with rsync -a"
+                problems.append((host, why))
+            elif gpus and r.get("gpus", 0) < self.nproc_per_node:
+                why = f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={self.nproc_per_node}"
+                problems.append((host, why))
+        _refuse("Preflight failed; nothing was started", problems)
+        release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
+        base = release(reports[0][1])
+        odd = [
+            (h, f"has torch {r['torch']}, torchvision {r['torchvision']}")
+            for h, r in reports
+            if release(r) != base
+        ]
+        head = f"The hosts run different versions of torch/torchvision (node 0: {base}); install "
+        _refuse(head + "the same on every host", odd)
+        first = reports[0][1]["fingerprint"] or ""  # without a data_dir, every one is None
+        differ = [
+            (h, f"holds fingerprint {r['fingerprint'][:12]}")
+            for h, r in reports
+            if (r["fingerprint"] or "") != first
+        ]
+        head = (
+            f"The dataset at {data_dir} differs from node 0's ({self.hosts[0]}, fingerprint "
+            f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
+        )
+        _refuse(head, differ)
+        if each[0]["port"] and got[0]["port"] is None:
+            raise HostError(
+                f"Port {port} is already in use on node 0 ({self.hosts[0]}). Pass another "
+                "master_port, or None to pick a free one.",
+                host=self.hosts[0],
+            )
+        self.network = check_network(
+            self.ssh, self.parsed, self.python,
+            master_addr=self.topology.master_addr or self.ssh.hostname(self.parsed[0]),
+            master_port=got[0]["port"] if launch else port,
+            backend="gloo" if config is not None and config.backend == "gloo" else "nccl",
+            user_env=user_env,
+        )  # fmt: skip
+        return got
+
+    def _ask(self, n: int, args: dict) -> dict | str:
+        """Node ``n``'s probe report, or why it gave none."""
+        try:
+            out = self._helper(n, "probe", args, timeout=PROBE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return f"did not answer within {PROBE_TIMEOUT:.0f} s"
+        except OSError as e:
+            return f"could not run ssh ({e})"
+        for line in out.stdout.decode(errors="replace").splitlines():
+            if line.startswith("DDPNB-PROBE "):
+                return json.loads(line.split(" ", 1)[1])
+        return ssh_failure(out.returncode, out.stderr.decode(errors="replace"), self.python)
 
     def start(self, plan, run_dir: Path, topology: Topology) -> None:
         files = io.BytesIO()  # a tar stream of the files (the pipeline wrote them here)
         pack(str(run_dir), list(plan.files), files)
 
         def copy(n: int) -> None:  # with overwrite=True, what the host held goes first
-            clean = self.held[n] if plan.overwrite else []
+            clean = self.reports[n]["held"] if plan.overwrite else []
             out = self._helper(n, "unpack", self.dirs[n], clean, timeout=60, input=files.getvalue())
             if out.returncode != 0:
                 why = ssh_failure(out.returncode, out.stderr.decode(errors="replace"), self.python)
@@ -152,7 +222,7 @@ class Hosts(Processes):
         def commands(lifeline: int) -> dict:
             out = {}
             for n, (host, folder) in enumerate(zip(self.parsed, self.dirs)):
-                env = plan.node_env(folder, topology.nproc_per_node, self.cpus[n])
+                env = plan.node_env(folder, topology.nproc_per_node, self.reports[n]["cpus"])
                 env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **self.network.env(n), **env}
                 logs = f"{folder}/logs/node-{n}"
                 argv = topology.command(agent, n, plan.script, folder, log_dir=logs)
@@ -166,7 +236,7 @@ class Hosts(Processes):
         self.spawn_all(run_dir, "ssh", commands)
 
     def _helper(self, n: int, name: str, *args, **kwargs) -> subprocess.CompletedProcess:
-        return run_helper(self.ssh, self.parsed[n], self.python, name, *args, **kwargs)
+        return self.ssh.helper(self.parsed[n], self.python, name, *args, **kwargs)
 
     def _pull(self, names, timeout: float) -> list[int]:
         """Copy ``names(node)`` here from each host without this run directory, all at once;
@@ -216,9 +286,8 @@ class Hosts(Processes):
             logger.warning("could not copy the results of node %d back from %s", n, self.hosts[n])
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
-        cut = sorted(n for n, rc in failed.items() if rc == SSH_FAILED)
-        if cut:
-            n = cut[0]
+        n = min((n for n, rc in failed.items() if rc == SSH_FAILED), default=None)
+        if n is not None:
             last = log_tail(self.run_dir, n, 1).strip()
             error = NodeLost(
                 f"Node {n} ({self.hosts[n]}) was lost: its SSH connection ended ({last or 'no message'}). "
@@ -231,37 +300,6 @@ class Hosts(Processes):
         if error.node_rank is not None and error.host is None:
             error.host = self.hosts[error.node_rank]
         return error
-
-
-def _survey(
-    ssh: Ssh, hosts: list[Host], python: str, config, folder: Path | None, nproc: int,
-    master_addr: str | None, port: int | None, user_env: Mapping[str, str],
-    launch: tuple[str, list[str]] | None = None,
-) -> tuple[list[dict], str, NetworkReport]:  # fmt: skip
-    """Probe every host, then prove the network. ``launch``: a launch's remote run directory
-    and the names to look for there; node 0's ``port`` is then found (None) or checked free."""
-    data_dir = config.data_dir if config is not None else None
-    gpus = config is not None and config.backend == "nccl"
-    token = secrets.token_hex(8)  # in a file of ``folder``: does the host see it?
-    marker = folder / f".ddpnb-shared-{token}" if folder else None
-    if marker:
-        marker.write_text(token)
-    remote_dir, held = launch or ("", [])
-    asked = {"data_dir": data_dir, "gpus": gpus, "marker": str(marker or ""), "token": token}
-    asked |= {"port": (port or 0) if launch else None, "dir": remote_dir, "held": held}
-    try:
-        reports = probe_hosts(ssh, hosts, python, asked, nproc)
-    finally:
-        if marker:
-            marker.unlink()
-    port = reports[0]["port"] if launch else port
-    master_addr = master_addr or ssh.hostname(hosts[0])
-    network = check_network(
-        ssh, hosts, python, master_addr=master_addr, master_port=port,
-        backend="gloo" if config is not None and config.backend == "gloo" else "nccl",
-        user_env=user_env,
-    )  # fmt: skip
-    return reports, master_addr, network
 
 
 def check_hosts(
@@ -281,32 +319,25 @@ def check_hosts(
     script. ``run_dir`` (an existing folder here): each row says if that host sees it.
     Raises :class:`~ddpnb.errors.HostError` (or :class:`~ddpnb.errors.NetworkError`) naming
     every host or pair that cannot run the job.
-
-    >>> print(check_hosts(None, ["gpu1", "gpu2"]))                  # doctest: +SKIP
-    node  host  address   interface  reaches node 0  mesh  torch   ...
     """
-    parsed = parse_hosts(hosts)
-    ssh = Ssh(ssh_config, ssh_options)
+    nodes = Hosts(
+        hosts, nproc_per_node, master_addr, master_port, 60, 0, ssh_config, ssh_options, python
+    )
     if config is not None:
-        config = check_run(as_config(config), len(parsed) * nproc_per_node, here=False)
+        config = check_run(as_config(config), nodes.nnodes * nproc_per_node, here=False)
     folder = Path(run_dir) if run_dir is not None and Path(run_dir).is_dir() else None
-    reports, _, network = _survey(
-        ssh, parsed, python or sys.executable, config, folder, nproc_per_node, master_addr,
-        master_port, forwarded_env(os.environ),
-    )  # fmt: skip
+    reports = nodes.survey(config, folder, forwarded_env(os.environ))
     rows = Table()
-    for n, (host, r, net) in enumerate(zip(parsed, reports, network.rows)):
-        row = {"node": n, "host": host.spec, "address": net.address, "interface": net.interface}
+    for n, (host, r, net) in enumerate(zip(nodes.hosts, reports, nodes.network.rows)):
+        row = {"node": n, "host": host, "address": net.address, "interface": net.interface}
         row |= {"reaches node 0": net.reaches_node0, "mesh": net.mesh, "versions": net.versions}
-        row["cpus"] = r["cpus"]
-        if config is not None and config.backend == "nccl":
-            row["gpus"] = r.get("gpus")
+        row |= {k: r[k] for k in ("cpus", "gpus") if k in r}  # gpus: asked of nccl's hosts only
         if config is not None:
             row["dataset"] = (r["fingerprint"] or "")[:12]
         if run_dir is not None:
             row["sees run_dir"] = r["shared"]
         rows.append(row)
-    rows.network = network  # the interfaces chosen, and why: print(rows.network)
+    rows.network = nodes.network  # the interfaces chosen, and why: print(rows.network)
     return rows
 
 
@@ -328,9 +359,6 @@ def ssh_commands(
     ``network``: :func:`check_hosts`' ``rows.network``, whose interface variables
     (``GLOO_SOCKET_IFNAME``...) each line sets: a host whose name resolves to loopback needs
     them. No host is contacted.
-
-    >>> ssh_commands(Script("train.py"), "/shared/run", ["gpu1", "gpu2"])[1]   # doctest: +SKIP
-    "ssh -t -- gpu2 'cd /shared/run && torchrun --nnodes=2 --node_rank=1 ... /shared/run/train.py'"
     """
     from .cluster import node_commands
 
@@ -346,3 +374,10 @@ def ssh_commands(
         remote = f"cd {shlex.quote(str(run_dir))} && {prefix}{line}"
         out.append(shlex.join([*ssh.args(host, "-t", defaults=False), remote]))
     return out
+
+
+def _refuse(head: str, found: Sequence[tuple[str, str]]) -> None:
+    """Raise a HostError naming each host of ``found`` and why, if any."""
+    if found:
+        lines = "\n".join(f"  - {h} {why}." for h, why in found)
+        raise HostError(f"{head}:\n{lines}", host=found[0][0])

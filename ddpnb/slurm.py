@@ -1,8 +1,6 @@
 """Slurm from the notebook: submit a run with ``sbatch``, follow it, cancel it, attach to it.
 
-A batch job outlives the kernel that submitted it; :func:`attach` follows it from a new
-one. The run directory must be on a filesystem the submit host and every node share.
-"""
+A batch job outlives the kernel that submitted it: :func:`attach` follows it from a new one."""
 
 from __future__ import annotations
 
@@ -39,7 +37,6 @@ from .metrics import read_json, read_progress
 from .pipeline import run
 from .plan import HANG_TIMEOUT
 from .preflight import as_config, check_progress
-from .reporting import RUN_DIR_ENV
 from .rundir import WORKER_NAME
 from .script import MESHCHECK_NAME, Script
 from .topology import Topology
@@ -69,9 +66,6 @@ ENDED_HINTS = {
 }
 
 
-# -- talking to Slurm ----------------------------------------------------------------------
-
-
 def _slurm(
     argv: list[str],
     env: Mapping[str, str] | None = None,
@@ -79,23 +73,16 @@ def _slurm(
     check: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run a Slurm command; SlurmError if it is missing, does not answer or (``check``) fails."""
-    exe = shutil.which(argv[0], path=(env or os.environ).get("PATH"))
-    if exe is None:
+    try:  # subprocess looks ``argv[0]`` up on ``env``'s PATH
+        r = subprocess.run(
+            argv, cwd=cwd, env=env, input="", capture_output=True, text=True, timeout=60
+        )
+    except FileNotFoundError:
         raise SlurmError(
             f"{argv[0]} was not found on PATH: Slurm's commands are needed to submit and follow "
             "a batch job. Run this on a Slurm cluster's login node (or load its module, e.g. "
             "`module load slurm`); without Slurm, print the script with ddpnb.slurm_script()."
-        )
-    try:
-        r = subprocess.run(
-            [exe, *argv[1:]],
-            cwd=cwd,
-            env=env or None,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        ) from None
     except subprocess.TimeoutExpired:
         raise SlurmError(f"{argv[0]} did not answer within 60 s: is slurmctld reachable?") from None
     if check and r.returncode != 0:
@@ -141,53 +128,6 @@ def slurm_available(env: Mapping[str, str] | None = None) -> bool:
     return answers and shutil.which("sbatch", path=(env or os.environ).get("PATH")) is not None
 
 
-def check_slurm_request(
-    nnodes: int,
-    partition: str | None,
-    gpus_per_node: int | None,
-    env: Mapping[str, str] | None = None,
-) -> str:
-    """Check that sbatch exists and the partition can hold the job; return the partition."""
-    _slurm(["sbatch", "--version"], env)
-    parts: dict[str, dict] = {}
-    default = None
-    for line in _slurm(["sinfo", "-h", "-o", "%P|%D|%G|%a"], env).stdout.splitlines():
-        name, nodes, gres, avail = (line.split("|") + [""] * 4)[:4]
-        if name.endswith("*"):
-            name = default = name[:-1]
-        gpus = [int(m) for m in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
-        part = parts.setdefault(name, {"nodes": 0, "gpus": 0, "up": False})
-        part["nodes"] += int(nodes or 0)  # one line per group of alike nodes
-        part["gpus"] = max([part["gpus"], *gpus])
-        part["up"] |= avail == "up"
-    names = ", ".join(sorted(parts))
-    if partition is None and default is None:
-        raise SlurmRequestError(
-            "This cluster has no default partition: pass partition= (one of "
-            f"{names or 'none found'}; `sinfo` lists them)."
-        )
-    partition = default if partition is None else partition
-    part = parts.get(partition)
-    if part is None:
-        raise SlurmRequestError(
-            f"Slurm has no partition {partition!r}. Partitions here: {names or 'none'} "
-            "(`sinfo` lists them)."
-        )
-    if not part["up"]:
-        logger.warning("partition %s is not up: the job will wait until it is", partition)
-    if nnodes > part["nodes"]:
-        raise SlurmRequestError(
-            f"nnodes={nnodes}, but partition {partition!r} has {part['nodes']} node(s): ask for "
-            f"at most {part['nodes']}, or choose a bigger partition."
-        )
-    if gpus_per_node and gpus_per_node > part["gpus"]:
-        raise SlurmRequestError(
-            f"gpus_per_node={gpus_per_node}, but the nodes of partition {partition!r} have at "
-            f"most {part['gpus']} GPU(s) (sinfo's GRES): ask for fewer, or choose a GPU partition."
-        )
-    return partition
-
-
 def _exit_code(info: Mapping[str, str]) -> int | None:
     """Slurm's ``ExitCode=1:0`` (exit status : signal) as the exit status."""
     m = re.match(r"(\d+):(\d+)", info.get("ExitCode", ""))
@@ -199,9 +139,6 @@ def _read_tail(path: Path, lines: int) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-# -- the job -------------------------------------------------------------------------------
 
 
 class Slurm(Scheduler):
@@ -230,10 +167,45 @@ class Slurm(Scheduler):
         return 20000 + int(re.sub(r"\D.*", "", self.job_id) or 0) % 20000 if self.job_id else None
 
     def check(self, plan) -> None:
-        o = self.options
-        o["partition"] = check_slurm_request(
-            self.nnodes, o["partition"], o["gpus_per_node"], self.env
-        )
+        """Check that sbatch exists and the partition can hold the job; pick the partition."""
+        _slurm(["sbatch", "--version"], self.env)
+        parts: dict[str, dict] = {}
+        default = None
+        for line in _slurm(["sinfo", "-h", "-o", "%P|%D|%G|%a"], self.env).stdout.splitlines():
+            name, nodes, gres, avail = (line.split("|") + [""] * 4)[:4]
+            if name.endswith("*"):
+                name = default = name[:-1]
+            gpus = [int(m) for m in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
+            part = parts.setdefault(name, {"nodes": 0, "gpus": 0, "up": False})
+            part["nodes"] += int(nodes or 0)  # one line per group of alike nodes
+            part["gpus"] = max([part["gpus"], *gpus])
+            part["up"] |= avail == "up"
+        names = ", ".join(sorted(parts))
+        partition, gpus_per_node = self.options["partition"], self.options["gpus_per_node"]
+        if partition is None and default is None:
+            raise SlurmRequestError(
+                "This cluster has no default partition: pass partition= (one of "
+                f"{names or 'none found'}; `sinfo` lists them)."
+            )
+        partition = self.options["partition"] = default if partition is None else partition
+        part = parts.get(partition)
+        if part is None:
+            raise SlurmRequestError(
+                f"Slurm has no partition {partition!r}. Partitions here: {names or 'none'} "
+                "(`sinfo` lists them)."
+            )
+        if not part["up"]:
+            logger.warning("partition %s is not up: the job will wait until it is", partition)
+        if self.nnodes > part["nodes"]:
+            raise SlurmRequestError(
+                f"nnodes={self.nnodes}, but partition {partition!r} has {part['nodes']} node(s): ask for "
+                f"at most {part['nodes']}, or choose a bigger partition."
+            )
+        if gpus_per_node and gpus_per_node > part["gpus"]:
+            raise SlurmRequestError(
+                f"gpus_per_node={gpus_per_node}, but the nodes of partition {partition!r} have at "
+                f"most {part['gpus']} GPU(s) (sinfo's GRES): ask for fewer, or choose a GPU partition."
+            )
 
     def preflight(self, plan, run_dir: Path) -> Topology:
         old = read_json(run_dir / JOB_FILE).get("job_id")  # a job of this run directory
@@ -267,27 +239,19 @@ class Slurm(Scheduler):
                 f"The script is {run_dir / SCRIPT_NAME}."
             )
         self.run_dir, self.job_id = run_dir, r.stdout.strip().split(";")[0]
+        t = topology
         logger.info(
             "submitted Slurm job %s: %d node(s) x %d process(es)",
             self.job_id,
-            topology.nnodes,
-            topology.nproc_per_node,
+            t.nnodes,
+            t.nproc_per_node,
         )
-        record = {
-            "job_id": self.job_id,
-            "nnodes": topology.nnodes,
-            "nproc_per_node": topology.nproc_per_node,
-            "partition": o["partition"],
-            "submitted_at": submitted_at,
-            "slurm_conf": self.env.get("SLURM_CONF"),
-            "sbatch": argv,
-            "script": plan.script.name,
-            "args": list(plan.script.args),
-            "hang_timeout": plan.hang_timeout,
-            "on_hang": plan.on_hang,
-            "rdzv_timeout": topology.rdzv_timeout,
-            "max_restarts": topology.max_restarts,
-        }
+        record = {"job_id": self.job_id, "nnodes": t.nnodes, "nproc_per_node": t.nproc_per_node}
+        record |= {"partition": o["partition"], "slurm_conf": self.env.get("SLURM_CONF")}
+        record |= {"submitted_at": submitted_at, "sbatch": argv, "script": plan.script.name}
+        record |= {"args": list(plan.script.args), "hang_timeout": plan.hang_timeout}
+        record |= {"on_hang": plan.on_hang, "rdzv_timeout": t.rdzv_timeout}
+        record["max_restarts"] = t.max_restarts
         (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
     def slurm_state(self, fresh: bool = False) -> dict[str, str]:
@@ -325,9 +289,8 @@ class Slurm(Scheduler):
         state, code = self.state, _exit_code(self._state)
         if state in ALIVE:
             return dict.fromkeys(range(self.nnodes))
-        if (state == "COMPLETED" and code in (0, None)) or (
-            state == "UNKNOWN" and read_progress(self.run_dir).get("phase") == "done"
-        ):
+        done = state == "UNKNOWN" and read_progress(self.run_dir).get("phase") == "done"
+        if done or (state == "COMPLETED" and code in (0, None)):
             return dict.fromkeys(range(self.nnodes), 0)
         return dict.fromkeys(range(self.nnodes), code or 1)  # the job ended without completing
 
@@ -383,12 +346,10 @@ class Slurm(Scheduler):
         )
 
 
-# -- the batch script ------------------------------------------------------------------
-
 BATCH = """#!/bin/bash
 {header}
 
-# One torchrun agent per node (ntasks-per-node=1); each starts {nproc} worker(s).
+# One torchrun agent per node (ntasks-per-node=1); each starts {t.nproc_per_node} worker(s).
 # The first node of the allocation hosts the c10d rendezvous.
 {note}
 set -euo pipefail
@@ -398,7 +359,7 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
 head_node=${{head_addr:-$head_node}}
 {port_line}mkdir -p {run_dir}/logs
-export {run_dir_env}={run_dir} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
+export DDPNB_RUN_DIR={run_dir} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
 {exports}
 # srun starts one task per node. Its options, set as its environment variables: stop
 # every node when one fails; each node's output to logs/node-N.log (N: the node's index
@@ -415,7 +376,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # host name, which on clusters with a separate training network resolves to the other one.
 srun bash -c 'addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")
 export PET_LOCAL_ADDR="${{addr:-$SLURMD_NODENAME}}"
-export PET_RDZV_CONF="join_timeout={rdzv_timeout},is_host=$((SLURM_NODEID == 0))"
+export PET_RDZV_CONF="join_timeout={t.rdzv_timeout},is_host=$((SLURM_NODEID == 0))"
 export PET_LOG_DIR="$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"
 net="$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$net"; fi
 exec "$@"' bash {launcher} \\
@@ -441,13 +402,6 @@ NETWORK = """# The network, proven before training, from this node: one check pe
 """
 
 
-def _batch_word(word: str) -> str:
-    """A word of the batch script: quoted, but the job's own variables expand."""
-    if re.search(r"\$(head_node|master_port|SLURM_\w+)", word):
-        return '"' + word + '"'
-    return shlex.quote(word)
-
-
 def batch_script(
     script: Script,
     run_dir: Path,
@@ -464,7 +418,7 @@ def batch_script(
 
     No ``topology.master_port``: one from the job id, so two jobs on one node do not collide.
     ``marker``: the submission's token (adds the marker and network steps). ``sbatch``: more
-    of its options, a None one left out (``--open-mode=append``: for requeues).
+    ``#SBATCH`` options, a None one left out.
     """
     q = shlex.quote
     port = str(topology.master_port or "$master_port")
@@ -476,22 +430,21 @@ def batch_script(
     options += [f"--time={time}", "--open-mode=append"]
     options += [f"--{k}={v}" for k, v in sbatch.items() if v]
     options += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    own = re.compile(r"\$(head_node|master_port|SLURM_\w+)")  # the job's variables expand
     marker_step = network = ""
     if marker:
         marker_step = SUBMITTED.format(marker_path=q(str(run_dir / MARKER_NAME)), marker=q(marker))
         network = NETWORK.format(python=q(python or "python3"), port=port)
     return BATCH.format(
         header="\n".join(f"#SBATCH {o}" for o in options),
-        nproc=topology.nproc_per_node,
+        t=topology,
         note=FINGERPRINT_NOTE,
         port_line="" if topology.master_port else "master_port=$((20000 + SLURM_JOB_ID % 20000))\n",
         run_dir=q(str(run_dir)),
-        run_dir_env=RUN_DIR_ENV,
         exports="".join(f"export {k}={q(v)}\n" for k, v in (env or {}).items()),
         node_log=q(str(run_dir / "logs" / "node-%n.log")),
-        rdzv_timeout=topology.rdzv_timeout,
         launcher=f"{q(python)} -m torch.distributed.run" if python else "torchrun",
-        torchrun=" \\\n    ".join(_batch_word(a) for a in args),
+        torchrun=" \\\n    ".join(f'"{a}"' if own.search(a) else q(a) for a in args),
         marker=marker_step,
         network=network,
     )
@@ -526,22 +479,13 @@ def slurm_script(
     script = what if isinstance(what, Script) else Script.worker(as_config(what))
     topology = Topology(nnodes, nproc_per_node, None, master_port, rdzv_timeout, max_restarts)
     named = {"output": "%x-%j.out", "partition": partition, "account": account}
+    run_dir = Path(run_dir)
     text = batch_script(
-        script,
-        Path(run_dir),
-        topology,
-        python,
-        time_limit,
-        gpus_per_node,
-        job_name=job_name,
-        **named,
+        script, run_dir, topology, python, time_limit, gpus_per_node, job_name=job_name, **named
     )
     if path is not None:
         Path(path).write_text(text)
     return text
-
-
-# -- the public entry points --------------------------------------------------------------
 
 
 def submit_slurm(
@@ -574,8 +518,6 @@ def submit_slurm(
     ``hang_timeout``, ``on_hang``: as in :func:`ddpnb.launch` (``"stop"`` cancels the job).
     Raises :class:`~ddpnb.errors.WorkerFailed` or :class:`SlurmJobEnded` on failure; the
     job outlives this process (:func:`attach` follows it again).
-
-    >>> job = submit_slurm(cfg, "/scratch/me/run", nnodes=2, time="02:00:00")  # doctest: +SKIP
     """
     if not isinstance(sbatch_args, (list, tuple)) or not all(
         isinstance(a, str) for a in sbatch_args
@@ -612,9 +554,8 @@ def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto"
     if record.get("slurm_conf") and "SLURM_CONF" not in env:
         env["SLURM_CONF"] = record["slurm_conf"]  # the cluster it was submitted to
     name = record.get("script", WORKER_NAME)  # its path in the run directory
-    config = None
-    if name == WORKER_NAME and (run_dir / "config.json").exists():
-        config = TrainConfig.load(run_dir / "config.json")
+    worker = name == WORKER_NAME and (run_dir / "config.json").exists()
+    config = TrainConfig.load(run_dir / "config.json") if worker else None
     topology = Topology(  # older records: the defaults
         record["nnodes"], record["nproc_per_node"], None, None,
         record.get("rdzv_timeout", SLURM_RDZV_TIMEOUT), record.get("max_restarts", 0),

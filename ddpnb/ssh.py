@@ -1,9 +1,6 @@
 """Reaching real machines over SSH: the system's OpenSSH client; the hosts need only Python.
 
-Remote lines are built with ``shlex`` from argument lists. What runs on the hosts (the probe,
-the file transfers as tar streams) is :func:`helpers`: functions of this module whose source
-goes as ``python -c``, so the hosts need no ``scp``, ``tar``, nor anything of ddpnb.
-"""
+What runs there (the probe, tar streams of files) is :func:`helpers`, sent as ``python -c``."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -19,27 +17,21 @@ import subprocess
 import sys
 import tarfile
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .constants import dataset_files, dataset_fingerprint
-from .errors import ConfigError, HostError
+from .errors import ConfigError
 
 # Unless ssh_options say otherwise (ssh keeps an option's first value): never prompt, which
 # would hang the cell; a host that stops answering ends its ssh within ~15 s (a lost node).
 SSH_DEFAULTS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 SSH_DEFAULTS += ("-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")
-PROBE_TIMEOUT = 15.0
 SSH_FAILED = 255  # ssh's exit status for its own errors (connection, authentication)
 
 
 @dataclasses.dataclass(frozen=True)
 class Host:
-    """One host as the user named it: ``name``, ``user@name``, ``name:port``, ``[v6]:port``.
-
-    >>> Host.parse("alice@gpu2:2222")
-    Host(spec='alice@gpu2:2222', name='gpu2', user='alice', port=2222)
-    """
+    """One host as the user named it: ``name``, ``user@name``, ``name:port``, ``[v6]:port``."""
 
     spec: str
     name: str
@@ -77,11 +69,7 @@ class Host:
 
 
 def parse_hosts(hosts: Sequence[str]) -> list[Host]:
-    """The hosts of a run, node 0 first.
-
-    >>> [h.name for h in parse_hosts(["gpu1", "alice@gpu2"])]
-    ['gpu1', 'gpu2']
-    """
+    """The hosts of a run, node 0 first."""
     if isinstance(hosts, str) or not hosts:
         raise ConfigError(
             "hosts must be a non-empty list such as ['gpu1', 'gpu2'] (CLI: --hosts gpu1,gpu2)."
@@ -91,11 +79,7 @@ def parse_hosts(hosts: Sequence[str]) -> list[Host]:
 
 @dataclasses.dataclass
 class Ssh:
-    """How to reach the hosts: ``ssh -F ssh_config`` plus ``ssh_options``, verbatim.
-
-    >>> Ssh().command(Host.parse("gpu1"), "true")[-2:]
-    ['gpu1', 'true']
-    """
+    """How to reach the hosts: ``ssh -F ssh_config`` plus ``ssh_options``, verbatim."""
 
     config: str | os.PathLike | None = None
     options: Sequence[str] = ()
@@ -123,28 +107,49 @@ class Ssh:
     def command(self, host: Host, remote: str) -> list[str]:
         return [*self.args(host, "-T"), remote]
 
+    def helper(
+        self, host: Host, python: str, name: str, *args, timeout: float, input: bytes = b""
+    ) -> subprocess.CompletedProcess:
+        """``name(*args)`` of :func:`helpers` on ``host``, ``input`` its stdin."""
+        cmd = self.command(host, remote_line([python, "-c", helpers(), name, json.dumps(args)]))
+        return subprocess.run(cmd, input=input, capture_output=True, timeout=timeout)
+
     def hostname(self, host: Host) -> str:
         """The address ssh connects to for ``host`` (its config's ``HostName``, ``ssh -G``)."""
         out = subprocess.run(self.args(host, "-G"), capture_output=True, text=True, timeout=10)
-        for line in out.stdout.splitlines():
-            if line.startswith("hostname "):
-                return line[9:].strip()
-        return host.name
+        found = re.search(r"^hostname (.+)$", out.stdout, re.M)
+        return found[1].strip() if found else host.name
 
 
 def remote_line(
     argv: Sequence[str], cwd: str | None = None, env: Mapping[str, str] | None = None
 ) -> str:
-    """One remote-shell line running ``argv``; ``exec``: the program holds the session's stdin.
-
-    >>> remote_line(["python", "-c", "print(1)"], cwd="/my runs", env={"A": "b c"})
-    "cd '/my runs' && exec env 'A=b c' python -c 'print(1)'"
-    """
+    """``cd CWD && exec env K=V ARGV``, quoted (``exec``: the program holds the session's stdin)."""
     words = ["exec"]
     if env:
         words += ["env", *(f"{k}={v}" for k, v in env.items())]
     line = shlex.join([*words, *argv])
     return f"cd {shlex.quote(str(cwd))} && {line}" if cwd else line
+
+
+def ssh_failure(returncode: int, stderr: str, python: str) -> str:
+    """ssh's or the remote shell's failure, with the fix."""
+    last = " ".join(stderr.strip().splitlines()[-2:]) or f"exit code {returncode}"
+    if returncode == SSH_FAILED:
+        if "Permission denied" in stderr or "Too many authentication failures" in stderr:
+            return (
+                f"refused the login ({last}). ddpnb logs in without prompting (BatchMode): "
+                "install your public key there (ssh-copy-id) or set IdentityFile in ssh_config"
+            )
+        if "Host key verification failed" in stderr:
+            return f"has an unknown or changed host key ({last}): log in once with ssh to accept it"
+        return f"could not be reached over SSH ({last})"
+    if returncode in (126, 127):
+        return (
+            f"has no Python interpreter at {python} ({last}). Pass python= (CLI: --python) "
+            "naming the interpreter with torch and torchvision on the hosts"
+        )
+    return f"failed the probe ({last})"
 
 
 # -- what runs on the hosts: helpers(), these functions' source ---------------------------------
@@ -160,11 +165,8 @@ def probe(args: dict) -> None:
 
     affinity = getattr(os, "sched_getaffinity", None)
     out = {"python": sys.executable, "cpus": len(affinity(0)) if affinity else os.cpu_count()}
-    for pkg in ("torch", "torchvision"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
+    for pkg in ("torch", "torchvision"):  # None: not installed
+        out[pkg] = next((d.version for d in md.distributions(name=pkg)), None)
     data = args["data_dir"]
     found = data and all(os.path.isdir(os.path.join(data, s)) for s in ("train", "val"))
     out["fingerprint"] = dataset_fingerprint(data) if found else None
@@ -232,112 +234,3 @@ def helpers() -> str:
         + "".join(inspect.getsource(f) for f in _SHIPPED)
         + "globals()[sys.argv[1]](*json.loads(sys.argv[2]))\n"
     )
-
-
-def run_helper(
-    ssh: Ssh, host: Host, python: str, name: str, *args, timeout: float, input: bytes = b""
-) -> subprocess.CompletedProcess:
-    """``name(*args)`` of :func:`helpers` on ``host``, ``input`` its stdin."""
-    cmd = ssh.command(host, remote_line([python, "-c", helpers(), name, json.dumps(args)]))
-    return subprocess.run(cmd, input=input, capture_output=True, timeout=timeout)
-
-
-# -- preflight: one probe per host, all in parallel ------------------------------------
-
-
-def ssh_failure(returncode: int, stderr: str, python: str) -> str:
-    """ssh's or the remote shell's failure, with the fix."""
-    last = " ".join(stderr.strip().splitlines()[-2:]) or f"exit code {returncode}"
-    if returncode == SSH_FAILED:
-        if "Permission denied" in stderr or "Too many authentication failures" in stderr:
-            return (
-                f"refused the login ({last}). ddpnb logs in without prompting (BatchMode): "
-                "install your public key there (ssh-copy-id) or set IdentityFile in ssh_config"
-            )
-        if "Host key verification failed" in stderr:
-            return f"has an unknown or changed host key ({last}): log in once with ssh to accept it"
-        return f"could not be reached over SSH ({last})"
-    if returncode in (126, 127):
-        return (
-            f"has no Python interpreter at {python} ({last}). Pass python= (CLI: --python) "
-            "naming the interpreter with torch and torchvision on the hosts"
-        )
-    return f"failed the probe ({last})"
-
-
-def _ask(ssh: Ssh, host: Host, python: str, args: dict, timeout=PROBE_TIMEOUT) -> dict | str:
-    """``host``'s probe report, or why it gave none."""
-    try:
-        out = run_helper(ssh, host, python, "probe", args, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return f"did not answer within {timeout:.0f} s"
-    except OSError as e:
-        return f"could not run ssh ({e})"
-    for line in out.stdout.decode(errors="replace").splitlines():
-        if line.startswith("DDPNB-PROBE "):
-            return json.loads(line.split(" ", 1)[1])
-    return ssh_failure(out.returncode, out.stderr.decode(errors="replace"), python)
-
-
-def probe_hosts(
-    ssh: Ssh, hosts: Sequence[Host], python: str, asked: dict, nproc_per_node: int
-) -> list[dict]:
-    """Ask every host at once what the preflight needs to know: a report per host, or one
-    :class:`HostError` naming every host that cannot run the job, and why.
-
-    ``asked``: :func:`probe`'s ``args`` (a ``data_dir`` only for ddpnb's worker; the ``port`` is
-    node 0's, to check free, 0: to find one).
-    """
-    data_dir, gpus, port = asked["data_dir"], asked["gpus"], asked["port"]
-    each = [{**asked, "port": port if n == 0 else None} for n in range(len(hosts))]
-    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        got = list(pool.map(lambda h, a: _ask(ssh, h, python, a), hosts, each))
-    problems = [(h, r) for h, r in zip(hosts, got) if isinstance(r, str)]
-    reports = [(h, r) for h, r in zip(hosts, got) if isinstance(r, dict)]
-    needed = ("torch", "torchvision") if data_dir is not None else ("torch",)
-    for host, r in reports:
-        missing = " or ".join(pkg for pkg in needed if not r[pkg])
-        if missing:
-            why = f"has no {missing} for {r['python']}: pip install {' '.join(needed)} there (or "
-            problems.append((host, why + "pass python= naming an interpreter that has it)"))
-        elif data_dir is not None and r["fingerprint"] is None:
-            why = f"has no dataset at {data_dir} (train/ and val/): copy it there with rsync -a"
-            problems.append((host, why))
-        elif gpus and r.get("gpus", 0) < nproc_per_node:
-            why = f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={nproc_per_node}"
-            problems.append((host, why))
-    _refuse("Preflight failed; nothing was started", problems)
-    release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
-    base = release(reports[0][1])
-    odd = [
-        (h, f"has torch {r['torch']}, torchvision {r['torchvision']}")
-        for h, r in reports
-        if release(r) != base
-    ]
-    head = f"The hosts run different versions of torch/torchvision (node 0: {base}); install "
-    _refuse(head + "the same on every host", odd)
-    first = reports[0][1]["fingerprint"] or ""  # without a data_dir, every one is None
-    differ = [
-        (h, f"holds fingerprint {r['fingerprint'][:12]}")
-        for h, r in reports
-        if (r["fingerprint"] or "") != first
-    ]
-    head = (
-        f"The dataset at {data_dir} differs from node 0's ({reports[0][0].spec}, fingerprint "
-        f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
-    )
-    _refuse(head, differ)
-    if port and reports[0][1]["port"] is None:
-        raise HostError(
-            f"Port {port} is already in use on node 0 ({reports[0][0].spec}). Pass another "
-            "master_port, or None to pick a free one.",
-            host=reports[0][0].spec,
-        )
-    return got
-
-
-def _refuse(head: str, found: Sequence[tuple[Host, str]]) -> None:
-    """Raise a HostError naming each host of ``found`` and why, if any."""
-    if found:
-        lines = "\n".join(f"  - {h.spec} {why}." for h, why in found)
-        raise HostError(f"{head}:\n{lines}", host=found[0][0].spec)
