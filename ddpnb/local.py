@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -60,28 +61,19 @@ class Local(Processes):
         logger.info(
             "launching %d node(s) x %d process(es); node 0 is the master and hosts the "
             "rendezvous at %s:%d",
-            topology.nnodes,
-            topology.nproc_per_node,
-            topology.master_addr,
-            topology.master_port,
+            *dataclasses.astuple(topology)[:4],  # nnodes, nproc_per_node, master_addr, _port
         )
         procs_here = len(self.nodes) * topology.nproc_per_node
-        env = {
-            **os.environ,
-            **plan.node_env(str(run_dir), procs_here, pythonpath=os.environ.get("PYTHONPATH")),
-        }
+        node_env = plan.node_env(str(run_dir), procs_here, pythonpath=os.environ.get("PYTHONPATH"))
+        agent = [sys.executable, str(AGENT)]  # torchrun, its store bound to loopback
+        cmds = {}
+        for n in self.nodes:
+            log_dir = str(run_dir / "logs" / f"node-{n}")
+            cmds[n] = topology.command(agent, n, plan.script, str(run_dir), log_dir=log_dir)
 
-        def commands(lifeline: int) -> dict:
-            # When this process ends, however it ends, every agent stops its node.
-            popen = {"cwd": run_dir, "env": {**env, LIFELINE_ENV: str(lifeline)}}
-            popen |= {"stdin": subprocess.DEVNULL, "pass_fds": (lifeline,)}
-            out = {}
-            for n in self.nodes:
-                cmd = topology.command(  # the agent: torchrun, its store bound to loopback
-                    [sys.executable, str(AGENT)], n, plan.script, str(run_dir),
-                    log_dir=str(run_dir / "logs" / f"node-{n}"),
-                )  # fmt: skip
-                out[n] = (cmd, shlex.join(cmd), popen)
-            return out
+        def commands(lifeline: int) -> dict:  # every agent stops its node when this process ends
+            env = {**os.environ, **node_env, LIFELINE_ENV: str(lifeline)}
+            popen = dict(cwd=run_dir, env=env, stdin=subprocess.DEVNULL, pass_fds=(lifeline,))
+            return {n: (cmd, shlex.join(cmd), popen) for n, cmd in cmds.items()}
 
         self.spawn_all(run_dir, "torchrun", commands)
