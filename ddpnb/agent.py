@@ -81,12 +81,10 @@ def descendants(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    found = [pid]
+    for parent in found:  # the list grows as it is read: breadth first
+        found += children.get(parent, [])
+    return found[1:]
 
 
 def bind_store_to(host: str) -> None:
@@ -106,8 +104,7 @@ def bind_store_to(host: str) -> None:
             kwargs["master_listen_fd"] = sock.fileno()
         return tcp_store(*args, **kwargs)
 
-    static.TCPStore = store
-    c10d.TCPStore = store
+    static.TCPStore = c10d.TCPStore = store
 
 
 def main(argv: list[str]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
 from .errors import RunFailed, RunHung, RunInterrupted
 from .hang import Stacks, Verdict, read_ranks, stacks, verdict
-from .metrics import RunMetrics, load_metrics, read_progress
+from .metrics import load_metrics, read_progress
 from .plan import Plan
 from .progress import make_progress
 from .topology import Topology
@@ -57,12 +57,10 @@ class Scheduler:
     def sync_stacks(self, force: bool) -> None: ...  # ranks' stack snapshots; force: now or raise
     def fetch(self) -> None: ...  # bring every node's results and logs here once the run ended
 
-    def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
-        """Add to the diagnosed error what only the scheduler knows (host, cluster state)."""
+    def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:  # add host, state
         return error
 
-    def pids(self) -> list[int]:
-        """Processes of the run on this machine that are still alive."""
+    def pids(self) -> list[int]:  # the run's processes on this machine that are still alive
         return []
 
 
@@ -119,29 +117,19 @@ class Job:
     state = property(lambda self: self.scheduler.state)
 
     batch_log = property(lambda self: self.scheduler.batch_log)  # job.batch_log(): sbatch's output
-
-    @property
-    def metrics(self) -> RunMetrics:
-        """The run's metrics (re-read on every access)."""
-        return load_metrics(self.run_dir)
+    pids = property(lambda self: self.scheduler.pids)  # job.pids(): its live processes here
+    returncodes = property(lambda self: self.scheduler.poll())  # per node; None: running
+    running = property(lambda self: any(rc is None for rc in self.returncodes.values()))
+    metrics = property(lambda self: load_metrics(self.run_dir))  # RunMetrics, re-read each time
 
     @property
     def epochs(self) -> int | None:
         """How many epochs the run trains, when it says."""
         return self.config.epochs if self.config else read_progress(self.run_dir).get("epochs")
 
-    @property
-    def returncodes(self) -> dict[int, int | None]:
-        return self.scheduler.poll()
-
-    @property
-    def running(self) -> bool:
-        return any(rc is None for rc in self.returncodes.values())
-
     def node_status(self) -> dict[int, str]:
         """``pending``, ``starting``, ``running``, ``done``, ``failed`` or ``stopped`` per node."""
-        waiting = self.scheduler.pending()
-        if waiting:
+        if waiting := self.scheduler.pending():
             return dict.fromkeys(range(self.nnodes), waiting)
         since = self.scheduler.since() or self.started_at
         joined = read_progress(self.run_dir).get("time", 0) >= since - 1
@@ -178,8 +166,6 @@ class Job:
 
     def log_tail(self, node: int = 0, lines: int = 20) -> str:
         return log_tail(self.run_dir, node, lines)
-
-    pids = property(lambda self: self.scheduler.pids)  # job.pids(): its live processes here
 
     def node_steps(self) -> dict[int, int]:
         """Optimizer steps per node so far (its first rank's: reversed, it is written last)."""

@@ -30,7 +30,7 @@ class Local(Processes):
         self,
         nnodes: int,
         nproc_per_node: int,
-        master_addr: str,
+        master_addr: str | None,
         master_port: int | None,
         rdzv_timeout: int,
         max_restarts: int,
@@ -44,6 +44,7 @@ class Local(Processes):
                 raise ConfigError(
                     f"node_rank {n!r} must be in 0..{nnodes - 1} (node_rank < nnodes)."
                 )
+        master_addr = master_addr or "127.0.0.1"
         bind_host = loopback_bind_address(master_addr) if isinstance(master_addr, str) else None
         if master_port is None:
             master_port = free_port(bind_host or "")  # "": every interface

@@ -53,10 +53,8 @@ class Plan:
             config = check_run(as_config(what), world_size, here=data_here)
         script = what if config is None else Script.worker(config)
         script.check()
-        strings = isinstance(env, Mapping) and all(
-            isinstance(s, str) for s in (*env, *env.values())
-        )
-        if env is not None and not strings:
+        texts = isinstance(env, Mapping) and all(isinstance(s, str) for s in (*env, *env.values()))
+        if env is not None and not texts:
             raise ConfigError("env must be a dict of strings, e.g. {'NCCL_DEBUG': 'INFO'}.")
         env = dict(env or {})
         try:  # the fault drill (notebook 04): read by every rank's first report.step

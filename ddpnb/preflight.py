@@ -24,7 +24,8 @@ def check_progress(progress: str) -> str:
 def check_run(config: TrainConfig, world_size: int, here: bool = True) -> TrainConfig:
     """Check the worker's dataset and model; return the config with data_dir absolute.
 
-    ``here=False`` (real hosts): a data_dir not here must be absolute (the hosts check it)."""
+    ``here=False`` (real hosts): a data_dir not here must be absolute (the hosts check it).
+    """
     data_dir = Path(config.data_dir)
     if here or data_dir.exists():
         data_dir = data_dir.resolve()
