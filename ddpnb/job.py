@@ -44,7 +44,7 @@ class Scheduler:
 
     # What every scheduler does:
     def preflight(self, plan: Plan, run_dir: Path) -> Topology: ...  # check nodes; final topology
-    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None: ...  # start every node
+    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None: ...  # place, start
     def poll(self) -> dict[int, int | None]: ...  # each node's exit code, None while it runs
     def stop(self) -> None: ...  # end every process of the run; return once they are gone
 

@@ -47,10 +47,9 @@ class Topology:
     ) -> list[str]:
         """One node's command line: ``launcher``, torchrun's options, the script and its arguments.
 
-        ``c10d``: an elastic rendezvous named ``rdzv_id``, node 0 hosting the store; a
-        ``node_rank`` of None leaves that and ``local_addr`` to the environment (``PET_*``, as
-        the sbatch script sets them). ``endpoint``: ``host:port``, possibly shell variables.
-        ``log_dir`` "": the folder comes from the environment (``PET_LOG_DIR``).
+        ``c10d``: an elastic rendezvous named ``rdzv_id``, node 0 hosting the store; ``node_rank``
+        None and ``log_dir`` "" leave those and ``local_addr`` to the sbatch script's ``PET_*``
+        variables. ``endpoint``: ``host:port``, possibly shell variables.
         """
         endpoint = endpoint or f"{self.master_addr}:{self.master_port}"
         restarts = self.max_restarts
