@@ -224,8 +224,7 @@ class Job:
     def _finished(self) -> bool:
         """True once every node ended, or one failed (then self.error is set)."""
         codes = self.returncodes
-        failed = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
-        if failed:
+        if failed := {n: rc for n, rc in codes.items() if rc not in (None, 0)}:
             time.sleep(0.5)  # give the other agents a moment to write their error files
             self.scheduler.fetch()
             error = diagnose_failure(
