@@ -1,9 +1,7 @@
-"""torchrun, with the rendezvous store of simulated nodes reachable from this host only.
+"""torchrun, its unauthenticated store bound to loopback for a loopback rendezvous address.
 
-torchrun's TCPStore listens on every interface, unauthenticated: for a loopback rendezvous
-address the agent binds it there first. It also stops its workers when the launcher's lifeline
-pipe closes. Run by path (``python agent.py <torchrun options> SCRIPT``): it imports torch only.
-"""
+It stops its workers when the launcher's lifeline pipe closes. Run by path (``python agent.py
+<torchrun options> SCRIPT``), it imports torch only."""
 
 from __future__ import annotations
 
@@ -17,26 +15,18 @@ import time
 from contextlib import suppress
 
 LIFELINE_ENV = "DDPNB_LIFELINE_FD"  # the read end of the launcher's pipe, in the agent
-LIFELINE_GRACE_SECONDS = 5.0
+LIFELINE_GRACE_SECONDS = 5.0  # from SIGTERM to SIGKILL once the launcher is gone
 
 _held: list[socket.socket] = []  # listening sockets handed to the store: keep them open
 
 
 def is_loopback(host: str) -> bool:
-    """True if ``host`` names this machine only: a loopback IP, or a name resolving to loopback.
-
-    >>> is_loopback("localhost"), is_loopback("127.0.0.2"), is_loopback("10.0.0.1")
-    (True, True, False)
-    """
+    """True if ``host`` names this machine only: a loopback IP, or a name resolving to loopback."""
     return loopback_bind_address(host) is not None
 
 
 def loopback_bind_address(host: str) -> str | None:
-    """The loopback IP to bind for ``host``, or None if ``host`` is not loopback only.
-
-    >>> loopback_bind_address("localhost")
-    '127.0.0.1'
-    """
+    """The loopback IP to bind for ``host`` (``localhost``: 127.0.0.1), or None."""
     host = host.strip("[]")
     with suppress(ValueError):
         return host if ipaddress.ip_address(host).is_loopback else None
@@ -54,33 +44,25 @@ def loopback_bind_address(host: str) -> str | None:
 
 
 def loopback_master_addr(argv: list[str]) -> str | None:
-    """The address to bind the store to if torchrun's rendezvous host is loopback, else None.
-
-    >>> loopback_master_addr(["--master_addr=localhost", "--master_port=29500"])
-    '127.0.0.1'
-    """
+    """The address to bind the store to if torchrun's rendezvous host is loopback, else None."""
     for arg in argv:
         key, _, value = arg.partition("=")
+        if key == "--master_addr":
+            return loopback_bind_address(value)
         if key == "--rdzv_endpoint":
-            value = value.rsplit(":", 1)[0]
-        elif key != "--master_addr":
-            continue
-        return loopback_bind_address(value)
+            return loopback_bind_address(value.rsplit(":", 1)[0])
     return None
 
 
-def watch_lifeline(fd: int, grace: float = LIFELINE_GRACE_SECONDS) -> None:
-    """End this agent and its workers when the launcher's end of pipe ``fd`` closes.
-
-    EOF comes however the launcher ends (even SIGKILL); ``grace``: seconds from SIGTERM to SIGKILL.
-    """
+def watch_lifeline(fd: int) -> None:
+    """End this agent and its workers once the launcher's pipe ``fd`` closes, however it ends."""
 
     def watch() -> None:
         while os.read(fd, 1):  # the launcher never writes; only EOF wakes us
             pass
         print("ddpnb agent: the launcher is gone; stopping this node.", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace)
+        time.sleep(LIFELINE_GRACE_SECONDS)
         for pid in descendants(os.getpid()):
             with suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
@@ -99,12 +81,10 @@ def descendants(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    found = [pid]
+    for parent in found:  # the list grows as it is read: breadth first
+        found += children.get(parent, [])
+    return found[1:]
 
 
 def bind_store_to(host: str) -> None:
@@ -124,16 +104,13 @@ def bind_store_to(host: str) -> None:
             kwargs["master_listen_fd"] = sock.fileno()
         return tcp_store(*args, **kwargs)
 
-    static.TCPStore = store
-    c10d.TCPStore = store
+    static.TCPStore = c10d.TCPStore = store
 
 
 def main(argv: list[str]) -> None:
-    fd = os.environ.pop(LIFELINE_ENV, None)  # popped: the workers must not see it
-    if fd is not None:
+    if (fd := os.environ.pop(LIFELINE_ENV, None)) is not None:  # the workers must not see it
         watch_lifeline(int(fd))
-    host = loopback_master_addr(argv)
-    if host is not None:
+    if (host := loopback_master_addr(argv)) is not None:
         bind_store_to(host)
     from torch.distributed import run
 

@@ -62,10 +62,7 @@ class RunFailed(DdpnbError):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """The user stopped a run (Ctrl-C, the notebook's stop button): every process of it ended.
-
-    A KeyboardInterrupt, so the cell ends as interrupted and Run All stops there.
-    """
+    """The user stopped a run (Ctrl-C, the stop button): its processes ended; Run All stops."""
 
     def __init__(self, run_dir, epochs_done: int) -> None:
         self.run_dir = run_dir

@@ -1,8 +1,4 @@
-"""A launched run: followed to its end, stopped, diagnosed — whatever runs its nodes.
-
-What differs between simulated nodes, SSH hosts and a Slurm job is one :class:`Scheduler`
-subclass each; the panel, the hang watch and the diagnosis are written once, here.
-"""
+"""A launched run, followed, stopped and diagnosed here; each :class:`Scheduler` runs its nodes."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ from typing import Any
 from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
 from .errors import RunFailed, RunHung, RunInterrupted
 from .hang import Stacks, Verdict, read_ranks, stacks, verdict
-from .metrics import RunMetrics, load_metrics, read_progress
+from .metrics import load_metrics, read_progress
 from .plan import Plan
 from .progress import make_progress
 from .topology import Topology
@@ -46,49 +42,25 @@ class Scheduler:
     master_port: int | None = None
     state: str | None = None
 
-    def check(self, plan: Plan) -> None:
-        """What can be checked before the run directory exists (a cluster's limits)."""
+    # What every scheduler does:
+    def preflight(self, plan: Plan, run_dir: Path) -> Topology: ...  # check nodes; final topology
+    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None: ...  # place, start
+    def poll(self) -> dict[int, int | None]: ...  # each node's exit code, None while it runs
+    def stop(self) -> None: ...  # end every process of the run; return once they are gone
 
-    def preflight(self, plan: Plan, run_dir: Path) -> Topology:
-        """Check what the nodes need; return the run's final topology."""
-        raise NotImplementedError
+    # What some do (a cluster's limits, queue and log; nodes whose files are elsewhere):
+    def check(self, plan: Plan) -> None: ...  # what can be checked before the run directory exists
+    def pending(self) -> str | None: ...  # why the nodes have not started (a queue), or None
+    def since(self) -> float | None: ...  # when this attempt's nodes started (None: at the Job's)
+    def batch_log(self) -> Path | None: ...  # the cluster's own log of the run (sbatch's output)
+    def sync(self) -> None: ...  # bring node 0's progress files here while the run goes on
+    def sync_stacks(self, force: bool) -> None: ...  # ranks' stack snapshots; force: now or raise
+    def fetch(self) -> None: ...  # bring every node's results and logs here once the run ended
 
-    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:
-        """Place the files and start every node."""
-        raise NotImplementedError
-
-    def poll(self) -> dict[int, int | None]:
-        """Each node's exit code, None while it runs (or waits to)."""
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        """End every process of the run; return once they are gone."""
-        raise NotImplementedError
-
-    def batch_log(self) -> Path | None:
-        """The cluster's own log of the run (sbatch's output), or None."""
-
-    def pending(self) -> str | None:
-        """Why the nodes have not started (a queue), or None."""
-
-    def since(self) -> float | None:
-        """When the nodes of this attempt started (None: when the Job was created)."""
-
-    def sync(self) -> None:
-        """Bring node 0's progress files here while the run goes on."""
-
-    def sync_stacks(self, force: bool) -> None:
-        """Bring every rank's stack snapshots here; ``force``: now, or raise."""
-
-    def fetch(self) -> None:
-        """Bring every node's results and logs here once the run has ended."""
-
-    def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
-        """Add to the diagnosed error what only the scheduler knows (host, cluster state)."""
+    def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:  # add host, state
         return error
 
-    def pids(self) -> list[int]:
-        """Processes of the run on this machine that are still alive."""
+    def pids(self) -> list[int]:  # the run's processes on this machine that are still alive
         return []
 
 
@@ -102,36 +74,28 @@ def _stop_live_jobs() -> None:  # a kernel restart must not leave workers behind
             job.stop()
 
 
+@dataclasses.dataclass(eq=False)  # eq=False: hashable, for _live_jobs
 class Job:
     """A launched run (:func:`ddpnb.launch`, :func:`ddpnb.submit_slurm`): nodes, files, metrics."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        script: Any,
-        config: Any,
-        topology: Topology,
-        scheduler: Scheduler,
-        *,
-        progress: str = "none",
-        hang_timeout: float | None = None,
-        on_hang: str = "stop",
-        started_at: float | None = None,
-    ) -> None:
-        self.run_dir = Path(run_dir)
-        self.script = script
-        self.config = config  # None unless it is ddpnb's worker
-        self.topology = topology
-        self.scheduler = scheduler
-        self.log_paths = {
-            n: self.run_dir / "logs" / f"node-{n}.log" for n in range(topology.nnodes)
-        }
+    run_dir: Path
+    script: Any
+    config: Any  # None unless it is ddpnb's worker
+    topology: Topology
+    scheduler: Scheduler
+    _: dataclasses.KW_ONLY
+    progress: str = "none"
+    hang_timeout: float | None = None
+    on_hang: str = "stop"
+    started_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        self.log_paths = {n: self.run_dir / "logs" / f"node-{n}.log" for n in range(self.nnodes)}
         self._log_start = {n: _size(p) for n, p in self.log_paths.items()}
-        self.progress_mode = progress
-        self.started_at = started_at or time.time()
+        self.started_at = self.started_at or time.time()
         self.ended_at: float | None = None
         self.error: BaseException | None = None
-        self.hang_timeout, self.on_hang = hang_timeout, on_hang
         self.waiting: Verdict | None = None
         self._watched = 0.0
         self._ranks: list = []  # ddpnb.hang.RankState per rank
@@ -152,36 +116,20 @@ class Job:
     job_id = property(lambda self: self.scheduler.job_id)
     state = property(lambda self: self.scheduler.state)
 
-    def batch_log(self) -> Path | None:
-        """A Slurm job's batch script output; else None."""
-        return self.scheduler.batch_log()
-
-    # -- state -------------------------------------------------------------------
-
-    @property
-    def metrics(self) -> RunMetrics:
-        """The run's metrics (re-read on every access)."""
-        return load_metrics(self.run_dir)
+    batch_log = property(lambda self: self.scheduler.batch_log)  # job.batch_log(): sbatch's output
+    pids = property(lambda self: self.scheduler.pids)  # job.pids(): its live processes here
+    returncodes = property(lambda self: self.scheduler.poll())  # per node; None: running
+    running = property(lambda self: any(rc is None for rc in self.returncodes.values()))
+    metrics = property(lambda self: load_metrics(self.run_dir))  # RunMetrics, re-read each time
 
     @property
     def epochs(self) -> int | None:
         """How many epochs the run trains, when it says."""
-        if self.config is not None:
-            return self.config.epochs
-        return read_progress(self.run_dir).get("epochs")
-
-    @property
-    def returncodes(self) -> dict[int, int | None]:
-        return self.scheduler.poll()
-
-    @property
-    def running(self) -> bool:
-        return any(rc is None for rc in self.returncodes.values())
+        return self.config.epochs if self.config else read_progress(self.run_dir).get("epochs")
 
     def node_status(self) -> dict[int, str]:
         """``pending``, ``starting``, ``running``, ``done``, ``failed`` or ``stopped`` per node."""
-        waiting = self.scheduler.pending()
-        if waiting:
+        if waiting := self.scheduler.pending():
             return dict.fromkeys(range(self.nnodes), waiting)
         since = self.scheduler.since() or self.started_at
         joined = read_progress(self.run_dir).get("time", 0) >= since - 1
@@ -219,10 +167,6 @@ class Job:
     def log_tail(self, node: int = 0, lines: int = 20) -> str:
         return log_tail(self.run_dir, node, lines)
 
-    def pids(self) -> list[int]:
-        """PIDs of this run's processes on this machine that are still alive."""
-        return self.scheduler.pids()
-
     def node_steps(self) -> dict[int, int]:
         """Optimizer steps per node so far (its first rank's: reversed, it is written last)."""
         return {r.node: r.steps for r in reversed(self._ranks)}
@@ -231,15 +175,10 @@ class Job:
         """Where every rank is now: the user's line and what it waits in, torch's frames folded.
 
         RunDirError when the run has ended or the watch is off (``hang_timeout=None``).
-
-        >>> print(job.stacks())   # doctest: +SKIP
-        rank 0 waits in barrier at train.py:21 (dist.barrier())  [node 0 on gpu1, pid 4242]
         """
         self.scheduler.sync()
         self.scheduler.sync_stacks(True)
         return stacks(self.run_dir, self.hang_timeout or HANG_DEFAULT)
-
-    # -- control -------------------------------------------------------------------
 
     def stop(self) -> None:
         """Stop every process of the run, wherever it runs."""
@@ -258,7 +197,7 @@ class Job:
         Raises :class:`WorkerFailed` or :class:`RendezvousTimeout` on failure; stops every
         process on KeyboardInterrupt. ``timeout`` (seconds) raises TimeoutError, the run going on.
         """
-        display = make_progress(self.progress_mode, self)
+        display = make_progress(self.progress, self)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self._finished():
@@ -270,17 +209,14 @@ class Job:
                 time.sleep(POLL_SECONDS)
                 self.scheduler.sync()
                 display.update()
-        except KeyboardInterrupt as e:
+        except KeyboardInterrupt as e:  # or a signal the CLI names (SIGTERM, SIGHUP)
             self.error = e
-            self.stop()
-            display.close(self)
-            if type(e) is not KeyboardInterrupt:
-                raise  # a signal the CLI names (SIGTERM, SIGHUP)
-            raise RunInterrupted(self.run_dir, len(self.metrics.epochs)) from None
         if self.error is not None:
             self.stop()
         self._end()
         display.close(self)
+        if type(self.error) is KeyboardInterrupt:
+            raise RunInterrupted(self.run_dir, len(self.metrics.epochs)) from None
         if self.error:
             raise self.error
         return self
@@ -288,8 +224,7 @@ class Job:
     def _finished(self) -> bool:
         """True once every node ended, or one failed (then self.error is set)."""
         codes = self.returncodes
-        failed = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
-        if failed:
+        if failed := {n: rc for n, rc in codes.items() if rc not in (None, 0)}:
             time.sleep(0.5)  # give the other agents a moment to write their error files
             self.scheduler.fetch()
             error = diagnose_failure(
@@ -301,8 +236,6 @@ class Job:
         elif self.scheduler.pending() is None:
             self.error = self._watch_hang() or self._check_stalled()
         return self.error is not None
-
-    # -- failures ---------------------------------------------------------------------
 
     def _watch_hang(self) -> RunFailed | None:
         """RunHung when no rank has moved for hang_timeout and they all wait in collectives."""
@@ -317,10 +250,7 @@ class Job:
         if not live:
             return None
         # The quiet time: since the run last printed a line or reported progress.
-        seen = (
-            tuple(_size(p) for p in self.log_paths.values()),
-            read_progress(self.run_dir).get("time"),
-        )
+        seen = (*map(_size, self.log_paths.values()), read_progress(self.run_dir).get("time"))
         if seen != self._output:
             self._output, self._output_moved = seen, now
         limit = self.hang_timeout
@@ -328,10 +258,9 @@ class Job:
             limit = min(limit, self.config.timeout_seconds / 2)
         found = verdict(ranks, min(*(r.still for r in live), now - self._output_moved), limit)
         self.waiting = found if found.kind != "ok" else None
-        if found.kind != "hang" or self.on_hang != "stop":
-            return None
         # ddpnb's worker times out its own collectives: the diagnosis then names the node.
-        if found.cause == "same" and self.config is not None:
+        worker_names_it = found.cause == "same" and self.config is not None
+        if found.kind != "hang" or self.on_hang != "stop" or worker_names_it:
             return None
         return RunHung(
             f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' keeps it "
@@ -343,10 +272,10 @@ class Job:
         )
 
     def _check_stalled(self) -> RunFailed | None:
-        if not self.scheduler.watch_stalls:  # a queued job is silent while the cluster waits
+        # Not while a cluster queues the job, nor for a script that does not report (torchrun's
+        # own timeouts apply).
+        if not self.scheduler.watch_stalls or not (self.config or read_progress(self.run_dir)):
             return None
-        if self.config is None and not read_progress(self.run_dir):
-            return None  # a script that does not report: torchrun's own timeouts apply
         timeout = self.config.timeout_seconds if self.config is not None else 300
         return check_stalled(
             self.run_dir, self._met(), list(self.returncodes), self.started_at, timeout

@@ -15,8 +15,6 @@ from .pipeline import run
 from .plan import HANG_TIMEOUT
 from .script import Script
 
-__all__ = ["Job", "launch"]
-
 
 def launch(
     what: Script | TrainConfig | Mapping[str, Any],
@@ -45,24 +43,24 @@ def launch(
     """Run a script with DDP: one ``torchrun`` per node, followed to its end.
 
     ``what``: a :class:`~ddpnb.Script` (any torchrun script) or a :class:`~ddpnb.TrainConfig`
-    (ddpnb's worker). ``run_dir`` is its working directory on every node; what node 0 writes
-    there is here when the run ends. Node 0 hosts the rendezvous at ``master_addr:master_port``.
+    (ddpnb's worker). ``run_dir``: its working directory on every node (node 0's files come
+    back here). Node 0 hosts the rendezvous at ``master_addr:master_port``.
 
-    Without ``hosts``, ``nnodes`` nodes (default 2) are simulated on this machine, on
-    loopback; ``local_nodes`` limits which start here (the others run :func:`node_commands`).
-    With ``hosts`` (``["gpu1", "alice@gpu2", "10.0.0.3:2222"]``) each host runs one node over
-    SSH, the first being node 0 (``master_addr`` defaults to its address). ``ssh_config``:
-    ``ssh -F``; ``ssh_options``: extra ssh arguments; ``python``: the hosts' interpreter
-    (default this one's path); ``remote_run_dir``: the run directory on hosts that do not
-    share this one. ``env`` is added to every node's environment.
+    Without ``hosts``, ``nnodes`` nodes (default 2) are simulated here, on loopback;
+    ``local_nodes``: which start here (the others run :func:`node_commands`). With ``hosts``
+    (``["gpu1", "alice@gpu2", "10.0.0.3:2222"]``) each runs one node over SSH, the first being
+    node 0 and the default ``master_addr``; ``ssh_config`` (``ssh -F``), ``ssh_options``,
+    ``python`` (default this one's path) and ``remote_run_dir`` (when they do not share
+    ``run_dir``) say how. ``env`` is added to every node's environment.
 
     When no rank has moved for ``hang_timeout`` seconds and ranks wait in a collective,
     ``on_hang="stop"`` ends the run with :class:`~ddpnb.errors.RunHung` (checkpoint kept),
-    ``"wait"`` shows the hang and waits; ``hang_timeout=None`` turns the watch off (and
-    ``job.stacks()``). Raises :class:`~ddpnb.errors.WorkerFailed` if a worker fails.
+    ``"wait"`` shows the hang and waits; None turns the watch (and ``job.stacks()``) off.
+    Raises :class:`~ddpnb.errors.WorkerFailed` if a worker fails.
 
     >>> job = launch(Script("train.py", args=["--epochs", "3"]), "runs/a")  # doctest: +SKIP
     """
+    shape = (nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts)
     if hosts is not None:
         from .remote import Hosts
 
@@ -73,19 +71,11 @@ def launch(
             )
         if local_nodes is not None:
             raise ConfigError("local_nodes applies to simulated nodes; with hosts every host runs.")
-        topology = (nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts)
-        scheduler: Scheduler = Hosts(
-            hosts, *topology, ssh_config, ssh_options, python, remote_run_dir
-        )
+        scheduler: Scheduler = Hosts(hosts, *shape, ssh_config, ssh_options, python, remote_run_dir)
+    elif ssh_config is not None or ssh_options or python or remote_run_dir:
+        raise ConfigError("ssh_config, ssh_options, python and remote_run_dir need hosts=[...].")
     else:
-        if ssh_config is not None or ssh_options or python or remote_run_dir:
-            raise ConfigError(
-                "ssh_config, ssh_options, python and remote_run_dir need hosts=[...]."
-            )
-        scheduler = Local(
-            2 if nnodes is None else nnodes, nproc_per_node, master_addr or "127.0.0.1",
-            master_port, rdzv_timeout, max_restarts, local_nodes,
-        )  # fmt: skip
+        scheduler = Local(2 if nnodes is None else nnodes, *shape, local_nodes)
     options = {"progress": progress, "env": env, "resume": resume, "overwrite": overwrite}
     options |= {"hang_timeout": hang_timeout, "on_hang": on_hang}
     return run(what, run_dir, scheduler, wait=wait, **options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -29,7 +30,7 @@ class Local(Processes):
         self,
         nnodes: int,
         nproc_per_node: int,
-        master_addr: str,
+        master_addr: str | None,
         master_port: int | None,
         rdzv_timeout: int,
         max_restarts: int,
@@ -43,6 +44,7 @@ class Local(Processes):
                 raise ConfigError(
                     f"node_rank {n!r} must be in 0..{nnodes - 1} (node_rank < nnodes)."
                 )
+        master_addr = master_addr or "127.0.0.1"
         bind_host = loopback_bind_address(master_addr) if isinstance(master_addr, str) else None
         if master_port is None:
             master_port = free_port(bind_host or "")  # "": every interface
@@ -60,28 +62,19 @@ class Local(Processes):
         logger.info(
             "launching %d node(s) x %d process(es); node 0 is the master and hosts the "
             "rendezvous at %s:%d",
-            topology.nnodes,
-            topology.nproc_per_node,
-            topology.master_addr,
-            topology.master_port,
+            *dataclasses.astuple(topology)[:4],  # nnodes, nproc_per_node, master_addr, _port
         )
         procs_here = len(self.nodes) * topology.nproc_per_node
-        env = {
-            **os.environ,
-            **plan.node_env(str(run_dir), procs_here, pythonpath=os.environ.get("PYTHONPATH")),
-        }
+        node_env = plan.node_env(str(run_dir), procs_here, pythonpath=os.environ.get("PYTHONPATH"))
+        agent = [sys.executable, str(AGENT)]  # torchrun, its store bound to loopback
+        cmds = {}
+        for n in self.nodes:
+            log_dir = str(run_dir / "logs" / f"node-{n}")
+            cmds[n] = topology.command(agent, n, plan.script, str(run_dir), log_dir=log_dir)
 
-        def commands(lifeline: int) -> dict:
-            # When this process ends, however it ends, every agent stops its node.
-            popen = {"cwd": run_dir, "env": {**env, LIFELINE_ENV: str(lifeline)}}
-            popen |= {"stdin": subprocess.DEVNULL, "pass_fds": (lifeline,)}
-            out = {}
-            for n in self.nodes:
-                cmd = topology.command(  # the agent: torchrun, its store bound to loopback
-                    [sys.executable, str(AGENT)], n, plan.script, str(run_dir),
-                    log_dir=str(run_dir / "logs" / f"node-{n}"),
-                )  # fmt: skip
-                out[n] = (cmd, shlex.join(cmd), popen)
-            return out
+        def commands(lifeline: int) -> dict:  # every agent stops its node when this process ends
+            env = {**os.environ, **node_env, LIFELINE_ENV: str(lifeline)}
+            popen = dict(cwd=run_dir, env=env, stdin=subprocess.DEVNULL, pass_fds=(lifeline,))
+            return {n: (cmd, shlex.join(cmd), popen) for n, cmd in cmds.items()}
 
         self.spawn_all(run_dir, "torchrun", commands)

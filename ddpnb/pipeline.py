@@ -1,9 +1,7 @@
-"""The launch pipeline, and the processes it owns: check, prepare, start, follow.
+"""The launch pipeline (check, prepare, start, follow) and the processes it owns.
 
-The kernel never joins the process group: each node is one ``torchrun`` agent started as
-a fresh process. The lifeline, a pipe whose write end only this process holds, stops the
-agents' nodes when this process ends, however it ends.
-"""
+Each node is a ``torchrun`` agent; the lifeline, a pipe only this process can write, stops
+them when this process ends, however it ends."""
 
 from __future__ import annotations
 

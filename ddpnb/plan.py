@@ -53,19 +53,28 @@ class Plan:
             config = check_run(as_config(what), world_size, here=data_here)
         script = what if config is None else Script.worker(config)
         script.check()
-        if env is not None and not (
-            isinstance(env, Mapping)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
-        ):
+        texts = isinstance(env, Mapping) and all(isinstance(s, str) for s in (*env, *env.values()))
+        if env is not None and not texts:
             raise ConfigError("env must be a dict of strings, e.g. {'NCCL_DEBUG': 'INFO'}.")
+        env = dict(env or {})
         try:  # the fault drill (notebook 04): read by every rank's first report.step
-            parse_fault((env or {}).get(FAULT_ENV, ""))
+            parse_fault(env.get(FAULT_ENV, ""))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        hang_timeout, on_hang = check_hang(hang_timeout, on_hang)
+        if on_hang not in ("stop", "wait"):
+            raise ConfigError(
+                f"on_hang must be 'stop' (end the run with RunHung, naming every rank's line) or "
+                f"'wait' (show the hang and keep waiting until you stop it), got {on_hang!r}."
+            )
+        number = isinstance(hang_timeout, (int, float)) and not isinstance(hang_timeout, bool)
+        if hang_timeout is not None and not (number and hang_timeout > 0):
+            raise ConfigError(
+                f"hang_timeout must be a number of seconds > 0 (default {HANG_TIMEOUT:g}), or None "
+                f"to turn the hang watch off, got {hang_timeout!r}."
+            )
         return cls(
-            script, config, script.payload(), dict(env or {}), check_progress(progress),
-            hang_timeout=hang_timeout, on_hang=on_hang, **rundir,
+            script, config, script.payload(), env, check_progress(progress), on_hang=on_hang,
+            hang_timeout=None if hang_timeout is None else float(hang_timeout), **rundir,
         )  # fmt: skip
 
     @functools.cached_property
@@ -75,11 +84,7 @@ class Plan:
 
     @property
     def follow(self) -> dict[str, Any]:
-        return {
-            "progress": self.progress,
-            "hang_timeout": self.hang_timeout,
-            "on_hang": self.on_hang,
-        }
+        return dict(progress=self.progress, hang_timeout=self.hang_timeout, on_hang=self.on_hang)
 
     def user_env(self, node_dir: str, pythonpath: str | None = None) -> dict[str, str]:
         """The user's ``env`` and what loads ddpnb's hooks; ``pythonpath``: the node's own."""
@@ -107,19 +112,3 @@ class Plan:
             "OMP_NUM_THREADS": str(threads),
             **self.user_env(node_dir, pythonpath),
         }
-
-
-def check_hang(hang_timeout: float | None, on_hang: str) -> tuple[float | None, str]:
-    """The hang watch's settings, checked (ConfigError names the fix)."""
-    if on_hang not in ("stop", "wait"):
-        raise ConfigError(
-            f"on_hang must be 'stop' (end the run with RunHung, naming every rank's line) or "
-            f"'wait' (show the hang and keep waiting until you stop it), got {on_hang!r}."
-        )
-    number = isinstance(hang_timeout, (int, float)) and not isinstance(hang_timeout, bool)
-    if hang_timeout is not None and not (number and hang_timeout > 0):
-        raise ConfigError(
-            f"hang_timeout must be a number of seconds > 0 (default {HANG_TIMEOUT:g}), or None to "
-            f"turn the hang watch off, got {hang_timeout!r}."
-        )
-    return (None if hang_timeout is None else float(hang_timeout)), on_hang

@@ -24,7 +24,7 @@ def check_progress(progress: str) -> str:
 def check_run(config: TrainConfig, world_size: int, here: bool = True) -> TrainConfig:
     """Check the worker's dataset and model; return the config with data_dir absolute.
 
-    ``here=False`` (real hosts): a data_dir not on this machine must be absolute (hosts check it).
+    ``here=False`` (real hosts): a data_dir not here must be absolute (the hosts check it).
     """
     data_dir = Path(config.data_dir)
     if here or data_dir.exists():
@@ -57,6 +57,7 @@ def as_config(config: TrainConfig | Mapping[str, Any]) -> TrainConfig:
 
 def check_model(config: TrainConfig) -> None:
     """Raise ConfigError for an unknown model name or unusable weights."""
+    import torch
     import torchvision
 
     known = torchvision.models.list_models(module=torchvision.models)
@@ -67,8 +68,19 @@ def check_model(config: TrainConfig) -> None:
             + (f", e.g. {', '.join(close)}" if close else ", e.g. resnet18 or resnet50")
             + " (see torchvision.models.list_models())."
         )
-    if config.weights == "DEFAULT":
-        _check_default_weights_reachable(config.model)
+    if config.weights == "DEFAULT":  # in torch's cache, or its server answers
+        weights = torchvision.models.get_model_weights(config.model).DEFAULT
+        cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+        host = re.sub(r"^https?://([^/]+)/.*$", r"\1", weights.url)
+        try:
+            if not cached.exists():
+                socket.create_connection((host, 443), timeout=3).close()
+        except OSError as e:
+            raise ConfigError(
+                f"weights='DEFAULT' needs to download {weights.url}, but no network is "
+                f"available ({e}). Pass weights=None to train from scratch, or the path of a local "
+                f"state-dict file (or place the file at {cached})."
+            ) from None
     elif config.weights is not None:
         path = Path(config.weights)
         if not path.is_file():
@@ -82,25 +94,6 @@ def check_model(config: TrainConfig) -> None:
             read_state_dict(str(path))
         except ValueError as e:
             raise ConfigError(f"{e} Save it with torch.save(model.state_dict(), path).") from None
-
-
-def _check_default_weights_reachable(model: str) -> None:
-    import torch
-    import torchvision
-
-    weights = torchvision.models.get_model_weights(model).DEFAULT
-    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
-    if cached.exists():
-        return
-    host = re.sub(r"^https?://([^/]+)/.*$", r"\1", weights.url)
-    try:
-        socket.create_connection((host, 443), timeout=3).close()
-    except OSError as e:
-        raise ConfigError(
-            f"weights='DEFAULT' needs to download {weights.url}, but no network is available "
-            f"({e}). Pass weights=None to train from scratch, or the path of a local state-dict "
-            f"file (or place the file at {cached})."
-        ) from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

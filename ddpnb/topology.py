@@ -1,7 +1,4 @@
-"""The shape of a run: how many nodes and processes, where they meet, torchrun's options.
-
-:meth:`Topology.command` is the one place a node's torchrun command line is built.
-"""
+"""The shape of a run: nodes, processes, where they meet; ``command`` builds every torchrun line."""
 
 from __future__ import annotations
 
@@ -50,36 +47,26 @@ class Topology:
     ) -> list[str]:
         """One node's command line: ``launcher``, torchrun's options, the script and its arguments.
 
-        ``c10d``: an elastic rendezvous named ``rdzv_id``, node 0 hosting the store; a
-        ``node_rank`` of None leaves that and ``local_addr`` to the environment (``PET_*``, as
-        the sbatch script sets them). ``endpoint``: ``host:port``, possibly shell variables.
-        ``log_dir`` "": the folder comes from the environment (``PET_LOG_DIR``).
+        ``c10d``: an elastic rendezvous named ``rdzv_id``, node 0 hosting the store; ``node_rank``
+        None and ``log_dir`` "" leave those and ``local_addr`` to the sbatch script's ``PET_*``
+        variables. ``endpoint``: ``host:port``, possibly shell variables.
         """
         endpoint = endpoint or f"{self.master_addr}:{self.master_port}"
+        restarts = self.max_restarts
         args = [*launcher, f"--nnodes={self.nnodes}"]
         if rendezvous == "static":
             addr, port = endpoint.rsplit(":", 1)
-            args += [
-                f"--node_rank={node_rank}",
-                f"--nproc_per_node={self.nproc_per_node}",
-                f"--master_addr={addr}",
-                f"--master_port={port}",
-                f"--max_restarts={self.max_restarts}",
-                f"--rdzv_conf=timeout={self.rdzv_timeout}",
-            ]
+            args += [f"--node_rank={node_rank}", f"--nproc_per_node={self.nproc_per_node}"]
+            args += [f"--master_addr={addr}", f"--master_port={port}", f"--max_restarts={restarts}"]
+            args.append(f"--rdzv_conf=timeout={self.rdzv_timeout}")
         elif rendezvous == "c10d":
-            args += [
-                f"--nproc_per_node={self.nproc_per_node}",
-                "--rdzv_backend=c10d",
-                f"--rdzv_endpoint={endpoint}",
-                f"--rdzv_id={rdzv_id}",
-            ]
+            args += [f"--nproc_per_node={self.nproc_per_node}", "--rdzv_backend=c10d"]
+            args += [f"--rdzv_endpoint={endpoint}", f"--rdzv_id={rdzv_id}"]
             if node_rank is not None:
-                args.append(
-                    f"--rdzv_conf=join_timeout={self.rdzv_timeout},is_host={int(node_rank == 0)}"
-                )
+                is_host = int(node_rank == 0)
+                args.append(f"--rdzv_conf=join_timeout={self.rdzv_timeout},is_host={is_host}")
             args += [f"--local_addr={local_addr}"] if local_addr else []
-            args.append(f"--max_restarts={self.max_restarts}")
+            args.append(f"--max_restarts={restarts}")
         else:
             raise ConfigError("rendezvous must be 'static' or 'c10d'.")
         if log_dir is not None:
