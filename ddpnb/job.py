@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import abc
 import atexit
 import dataclasses
 import re
@@ -28,7 +27,7 @@ WORKER_LINE = re.compile(rb"^\[rank\d+\]", re.M)  # torchrun's prefix on a worke
 TRACEBACK = "Traceback (most recent call last):"
 
 
-class Scheduler(abc.ABC):
+class Scheduler:
     """Where a run's nodes run; ``pipeline.run`` calls check, preflight, start; the Job the rest."""
 
     nnodes: int
@@ -43,37 +42,27 @@ class Scheduler(abc.ABC):
     master_port: int | None = None
     state: str | None = None
 
-    # What every scheduler does (one that does not cannot be made):
-    @abc.abstractmethod
-    def preflight(self, plan: Plan, run_dir: Path) -> Topology: ...  # check nodes; final topology
-    @abc.abstractmethod
-    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None: ...  # place, start
-    @abc.abstractmethod
-    def poll(self) -> dict[int, int | None]: ...  # each node's exit code, None while it runs
-    @abc.abstractmethod
-    def stop(self) -> None: ...  # end every process of the run; return once they are gone
+    # What every scheduler does:
+    def preflight(self, plan: Plan, run_dir: Path) -> Topology:  # check nodes; final topology
+        raise NotImplementedError
+
+    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:  # place, start
+        raise NotImplementedError
+
+    def poll(self) -> dict[int, int | None]:  # each node's exit code, None while it runs
+        raise NotImplementedError
+
+    def stop(self) -> None:  # end every process of the run; return once they are gone
+        raise NotImplementedError
 
     # What some do (a cluster's limits, queue and log; nodes whose files are elsewhere):
-    def check(self, plan: Plan) -> None:  # what can be checked before the run directory exists
-        return None
-
-    def pending(self) -> str | None:  # why the nodes have not started (a queue), or None
-        return None
-
-    def since(self) -> float | None:  # when this attempt's nodes started (None: at the Job's)
-        return None
-
-    def batch_log(self) -> Path | None:  # the cluster's own log of the run (sbatch's output)
-        return None
-
-    def sync(self) -> None:  # bring node 0's progress files here while the run goes on
-        return None
-
-    def sync_stacks(self, force: bool) -> None:  # ranks' stack snapshots; force: now or raise
-        return None
-
-    def fetch(self) -> None:  # bring every node's results and logs here once the run ended
-        return None
+    def check(self, plan: Plan) -> None: ...  # what can be checked before the run directory exists
+    def pending(self) -> str | None: ...  # why the nodes have not started (a queue), or None
+    def since(self) -> float | None: ...  # when this attempt's nodes started (None: at the Job's)
+    def batch_log(self) -> Path | None: ...  # the cluster's own log of the run (sbatch's output)
+    def sync(self) -> None: ...  # bring node 0's progress files here while the run goes on
+    def sync_stacks(self, force: bool) -> None: ...  # ranks' stack snapshots; force: now or raise
+    def fetch(self) -> None: ...  # bring every node's results and logs here once the run ended
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:  # add host, state
         return error
