@@ -134,10 +134,9 @@ def check_network(
 
 def run_agents(ssh: Ssh, hosts: Sequence[Host], python: str, args: dict):
     """:func:`meshcheck.relay` with one agent per host over SSH: its nodes and problems."""
-    agents = []
+    agents, program = [], Path(meshcheck.__file__).read_text()
     for n, host in enumerate(hosts):
-        line = remote_line([python, "-c", Path(meshcheck.__file__).read_text(), "--agent",
-                            json.dumps({**args, "rank": n})])  # fmt: skip
+        line = remote_line([python, "-c", program, "--agent", json.dumps({**args, "rank": n})])
         pipe = subprocess.PIPE  # a session of its own: ours to end, by its process group
         agents.append(subprocess.Popen(ssh.command(host, line), stdin=pipe, stdout=pipe,
                       stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
