@@ -442,8 +442,11 @@ def relay(names: list, agents: list, args: dict, why_ended, labelled: bool = Fal
             send(everyone)
             send(gather(time.monotonic() + 5))  # node 0's port is free for the all-reduce
             gather(time.monotonic() + args["timeout"])
-            problems = [(n["name"], n.get("error") or n["all_reduce"]) for n in nodes
-                        if n.get("all_reduce") != "ok"]  # fmt: skip
+            problems = [
+                (n["name"], n.get("error") or n["all_reduce"])
+                for n in nodes
+                if n.get("all_reduce") != "ok"
+            ]
         return nodes, problems
     finally:
         for proc in agents:
@@ -465,24 +468,47 @@ def ifname_env(iface: str | None, backend: str, user_env) -> dict[str, str]:
 
 def slurm_step(args: argparse.Namespace) -> int:
     """A Slurm job's first step, on its first node: one agent per node (srun), relayed here."""
-    agent = {"master_addr": args.master_addr, "master_port": args.master_port,
-             "timeout": args.timeout, "connect_timeout": CONNECT_TIMEOUT, "all_reduce": True,
-             "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "backend": args.backend,
-             "env_file": args.env_file}  # fmt: skip
-    argv = ["srun", "--label", "--ntasks-per-node=1", sys.executable, os.path.abspath(__file__),
-            "--agent", json.dumps(agent)]  # fmt: skip
+    agent = {
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "timeout": args.timeout,
+        "connect_timeout": CONNECT_TIMEOUT,
+        "all_reduce": True,
+        "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "backend": args.backend,
+        "env_file": args.env_file,
+    }
+    argv = [
+        "srun",
+        "--label",
+        "--ntasks-per-node=1",
+        sys.executable,
+        os.path.abspath(__file__),
+        "--agent",
+        json.dumps(agent),
+    ]
     pipe = subprocess.PIPE  # srun sends its input to every node's agent
-    srun = subprocess.Popen(argv, stdin=pipe, stdout=pipe, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    nodes, problems = relay([None] * args.nnodes, [srun], agent, lambda code, said: (
-        f"ended (srun exit {code}) before its check was done: "
-        f"{said.strip()[-500:] or 'it printed nothing'}"), labelled=True)  # fmt: skip
+    srun = subprocess.Popen(
+        argv, stdin=pipe, stdout=pipe, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    nodes, problems = relay(
+        [None] * args.nnodes,
+        [srun],
+        agent,
+        lambda code, said: (
+            f"ended (srun exit {code}) before its check was done: "
+            f"{said.strip()[-500:] or 'it printed nothing'}"
+        ),
+        labelled=True,
+    )
     if problems:
         print(explain(problems, "The network check failed"), file=sys.stderr)
         return 1
     for node in nodes:
-        print(f"{node['name']}, interface {node['facts']['iface']}: reaches node 0 and all "
-              f"{args.nnodes - 1} peer(s); gloo all-reduce ok")  # fmt: skip
+        print(
+            f"{node['name']}, interface {node['facts']['iface']}: reaches node 0 and all "
+            f"{args.nnodes - 1} peer(s); gloo all-reduce ok"
+        )
     return 0
 
 
@@ -494,8 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master-port", type=int)
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--backend", default="gloo")
-    parser.add_argument("--env-file", help="each node writes 'export GLOO_SOCKET_IFNAME=...' "
-                        "here ({node_rank} is replaced)")  # fmt: skip
+    parser.add_argument(
+        "--env-file",
+        help="each node writes 'export GLOO_SOCKET_IFNAME=...' here ({node_rank} is replaced)",
+    )
     args = parser.parse_args(argv)
     if args.agent:
         return run_agent(json.loads(args.agent))
