@@ -4,7 +4,8 @@
 
 Checks REV out into a temporary git worktree, then for each layout (one process on every
 core; one node x 2 processes) trains the same short run with the earlier ddpnb and with
-this one in turn, so that both sides see the same machine noise. Prints each layout's
+this one in turn, alternating which goes first, so that both sides see the same machine
+noise and drift. Prints each layout's
 after/before ratio of training images/s: the median of the paired ratios, with their
 spread. Nothing here asserts a time.
 """
@@ -71,9 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         data = ddpnb.prepare_digits(work / "digits", image_size=32)
         for layout, nproc in LAYOUTS.items():
             ratios, pairs = [], []
-            for _ in range(args.repeats):
-                old = images_per_second(before, data, nproc)
-                new = images_per_second(ROOT, data, nproc)
+            for i in range(args.repeats):  # alternate which runs first: the machine drifts
+                if i % 2:
+                    new = images_per_second(ROOT, data, nproc)
+                    old = images_per_second(before, data, nproc)
+                else:
+                    old = images_per_second(before, data, nproc)
+                    new = images_per_second(ROOT, data, nproc)
                 pairs.append(f"{old:.0f} -> {new:.0f}")
                 ratios.append(new / old)
                 print(f"  {layout}: {pairs[-1]} images/s", flush=True)
