@@ -4,7 +4,6 @@ at most): what :mod:`ddpnb.meshcheck` proves, its agent sent to each host as ``p
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import subprocess
 import time
@@ -116,7 +115,7 @@ def run_agents(ssh: Ssh, hosts: Sequence[Host], python: str, args: dict):
         line = remote_line([python, "-c", program, "--agent", json.dumps({**args, "rank": n})])
         cmd = ssh.command(host, line)
         agents.append(subprocess.Popen(cmd, text=True, start_new_session=True, **pipes))
-    why_ended = functools.partial(ssh_failure, python=python)
+    why_ended = lambda code, said: ssh_failure(code, said, python)
     return meshcheck.relay([h.spec for h in hosts], agents, args, why_ended)
 
 

@@ -1,7 +1,5 @@
-"""Launching on real hosts over SSH: one ``torchrun`` per host, followed from here.
-
-A host that does not see this run directory gets the files copied and its results brought
-back. Each host's agent stops its node at the end-of-file of its SSH session's input."""
+"""Launching on real hosts over SSH: one ``torchrun`` per host, followed from here. A host that
+does not see this run directory gets the files copied and its results brought back."""
 
 from __future__ import annotations
 
@@ -105,12 +103,10 @@ class Hosts(Processes):
 
     def survey(self, config, folder: Path | None, user_env: Mapping[str, str], launch=None):
         """Probe every host at once, then prove the network: a report per host and the
-        :class:`~ddpnb.network.NetworkReport`, or one :class:`HostError` naming every host that
-        cannot run the job, and why.
+        NetworkReport, or one HostError naming every host that cannot run the job, and why.
 
-        ``config``: the worker's (its dataset is checked), or None. ``folder``: a folder here
-        (does each host see it?). ``launch``: a launch's remote run directory and the names to
-        look for there.
+        ``config``: the worker's, or None. ``folder``: does each host see this folder here?
+        ``launch``: a launch's remote run directory and the names to look for there.
         """
         data_dir = config.data_dir if config is not None else None
         backend = config.backend if config is not None else "auto"
@@ -140,25 +136,20 @@ class Hosts(Processes):
                 why = f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={self.nproc_per_node}"
                 problems.append((host, why))
         _refuse("Preflight failed; nothing was started", problems)
+        differ = lambda key, show: [(h, show(r)) for h, r in reports if key(r) != key(got[0])]
         release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
-        odd = [
-            (h, f"has torch {r['torch']}, torchvision {r['torchvision']}")
-            for h, r in reports
-            if release(r) != release(got[0])
-        ]
+        odd = differ(release, lambda r: f"has torch {r['torch']}, torchvision {r['torchvision']}")
         head = "The hosts run different versions of torch/torchvision (node 0: {}); install the "
         _refuse(head.format(release(got[0])) + "same on every host", odd)
         first = got[0]["fingerprint"] or ""  # without a data_dir, every one is None
-        differ = [
-            (h, f"holds fingerprint {r['fingerprint'][:12]}")
-            for h, r in reports
-            if r["fingerprint"] != got[0]["fingerprint"]
-        ]
+        odd = differ(
+            lambda r: r["fingerprint"], lambda r: f"holds fingerprint {r['fingerprint'][:12]}"
+        )
         head = (
             f"The dataset at {data_dir} differs from node 0's ({self.hosts[0]}, fingerprint "
             f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
         )
-        _refuse(head, differ)
+        _refuse(head, odd)
         addr = self.topology.master_addr or self.ssh.hostname(self.parsed[0])
         port, backend = port or got[0]["port"], "gloo" if backend == "gloo" else "nccl"
         return got, check_network(self.ssh, self.parsed, self.python, addr, port, backend, user_env)
@@ -169,12 +160,10 @@ class Hosts(Processes):
         todo = [n for n, shared in enumerate(self.shared) if not shared]
         clean = lambda n: self.reports[n]["held"] if plan.overwrite else []  # what the host held
         copied = self._on(todo, "unpack", lambda n: [self.dirs[n], clean(n)], 60, files.getvalue())
-        for n, (_, why) in zip(todo, copied):
-            if why:
-                raise HostError(
-                    f"Could not copy the worker to {self.hosts[n]}:{self.dirs[n]}: {why}.",
-                    host=self.hosts[n],
-                )
+        failed = [
+            (self.hosts[n], f"({self.dirs[n]}) {why}") for n, (_, why) in zip(todo, copied) if why
+        ]
+        _refuse("Could not copy the files to the hosts; nothing was started", failed)
         logger.info(
             f"launching {topology.nnodes} host(s) x {topology.nproc_per_node} process(es) over "
             f"SSH; node 0 ({self.hosts[0]}) hosts the rendezvous at {topology.master_addr}:"
@@ -183,30 +172,24 @@ class Hosts(Processes):
 
         agent = [self.python, "-c", AGENT.read_text()]  # the hosts need nothing of ddpnb
 
-        def commands(lifeline: int) -> dict:
-            out = {}
-            for n, (host, folder) in enumerate(zip(self.parsed, self.dirs)):
-                env = plan.node_env(folder, topology.nproc_per_node, self.reports[n]["cpus"])
-                env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **self.network.env(n), **env}
-                logs = f"{folder}/logs/node-{n}"
-                argv = topology.command(agent, n, plan.script, folder, log_dir=logs)
-                cmd = self.ssh.command(host, remote_line(argv, cwd=folder, env=env))
-                shown = remote_line([*argv[:2], "<ddpnb agent>", *argv[3:]], cwd=folder, env=env)
-                shown = f"{shlex.join(cmd[:-1])}  # runs, on that host:\n    {shown}"
-                # ssh forwards its input's EOF: the host's agent then stops its node.
-                out[n] = (cmd, shown, {"stdin": lifeline})
-            return out
+        def command(n: int, lifeline: int) -> tuple:
+            folder = self.dirs[n]
+            env = plan.node_env(folder, topology.nproc_per_node, self.reports[n]["cpus"])
+            env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **self.network.env(n), **env}
+            argv = topology.command(
+                agent, n, plan.script, folder, log_dir=f"{folder}/logs/node-{n}"
+            )
+            cmd = self.ssh.command(self.parsed[n], remote_line(argv, cwd=folder, env=env))
+            shown = remote_line([*argv[:2], "<ddpnb agent>", *argv[3:]], cwd=folder, env=env)
+            shown = f"{shlex.join(cmd[:-1])}  # runs, on that host:\n    {shown}"
+            return cmd, shown, {"stdin": lifeline}  # its EOF reaches the host: the agent stops
 
-        self.spawn_all(run_dir, "ssh", commands)
+        self.spawn_all(run_dir, "ssh", lambda fd: {n: command(n, fd) for n in range(self.nnodes)})
 
     def _on(self, nodes: Sequence[int], name: str, args, timeout: float, input: bytes = b""):
         """``name(*args(node))`` of :func:`helpers` on each of ``nodes``, all at once: a list of
         (its output, why it failed or None)."""
-
-        def one(n: int) -> tuple[bytes, str | None]:
-            host = self.parsed[n]
-            return self.ssh.helper(host, self.python, name, *args(n), timeout=timeout, input=input)
-
+        one = lambda n: self.ssh.helper(self.parsed[n], self.python, name, args(n), timeout, input)
         with ThreadPoolExecutor(max_workers=min(32, self.nnodes)) as pool:
             return list(pool.map(one, nodes))
 

@@ -1,6 +1,5 @@
-"""Reaching real machines over SSH: the system's OpenSSH client; the hosts need only Python.
-
-What runs there (the probe, tar streams of files) is :func:`helpers`, sent as ``python -c``."""
+"""Reaching real machines with the system's OpenSSH client; the hosts need only Python: what
+runs there (the probe, tar streams of files) is :func:`helpers`, sent as ``python -c``."""
 
 from __future__ import annotations
 
@@ -40,23 +39,20 @@ class Host:
 
     @classmethod
     def parse(cls, spec: str) -> Host:
-        if not isinstance(spec, str) or not spec.strip() or spec != spec.strip():
-            raise ConfigError(
-                f"A host must be a name such as 'gpu1' or 'alice@gpu2:2222', got {spec!r}."
-            )
-        user, _, rest = spec.rpartition("@")
+        user, _, rest = str(spec).rpartition("@")
         name, port = rest, None
         if rest.startswith("["):  # [IPv6]:port
             name, _, port = rest[1:].partition("]")
             port = port[1:] or None
         elif rest.count(":") == 1:
             name, port = rest.split(":")
+        if not isinstance(spec, str) or not name or name[0] == "-" or re.search(r"\s", spec):
+            raise ConfigError(
+                "A host must be a name or address such as 'gpu1' or 'alice@gpu2:2222' (no spaces, "
+                f"no leading '-'), got {spec!r}."
+            )
         if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
             raise ConfigError(f"Host {spec!r}: the port after ':' must be 1..65535.")
-        if not name or name.startswith("-") or any(c.isspace() for c in name):
-            raise ConfigError(
-                f"Host {spec!r} is not a host name or address (no spaces, no leading '-')."
-            )
         return cls(spec, name, user or None, port and int(port))
 
     @property
@@ -90,7 +86,6 @@ class Ssh:
             raise ConfigError(
                 "ssh_options must be a list of ssh arguments, e.g. ['-o', 'StrictHostKeyChecking=no']."
             )
-        self.options = tuple(self.options)
 
     def args(self, host: Host, *flags: str, defaults: bool = True) -> list[str]:
         """``ssh [-F config] options [SSH_DEFAULTS] [-p port] flags -- destination``."""
@@ -103,7 +98,7 @@ class Ssh:
         return [*self.args(host, "-T"), remote]
 
     def helper(
-        self, host: Host, python: str, name: str, *args, timeout: float, input: bytes = b""
+        self, host: Host, python: str, name: str, args: list, timeout: float, input: bytes = b""
     ) -> tuple[bytes, str | None]:
         """``name(*args)`` of :func:`helpers` on ``host``, ``input`` its stdin: its output, and
         why it failed (None if it did not)."""
