@@ -158,7 +158,7 @@ class Hosts(Processes):
         files = io.BytesIO()  # a tar stream of the files (the pipeline wrote them here)
         pack(str(run_dir), list(plan.files), files)
         todo = [n for n, shared in enumerate(self.shared) if not shared]
-        clean = lambda n: self.reports[n]["held"] if plan.overwrite else []  # what the host held
+        clean = lambda n: self.reports[n]["held"] if plan.overwrite else []  # removed first
         copied = self._on(todo, "unpack", lambda n: [self.dirs[n], clean(n)], 60, files.getvalue())
         failed = [
             (self.hosts[n], f"({self.dirs[n]}) {why}") for n, (_, why) in zip(todo, copied) if why
