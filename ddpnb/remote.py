@@ -139,8 +139,9 @@ class Hosts(Processes):
         differ = lambda key, show: [(h, show(r)) for h, r in reports if key(r) != key(got[0])]
         release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
         odd = differ(release, lambda r: f"has torch {r['torch']}, torchvision {r['torchvision']}")
-        head = "The hosts run different versions of torch/torchvision (node 0: {}); install the "
-        _refuse(head.format(release(got[0])) + "same on every host", odd)
+        base = release(got[0])
+        head = f"The hosts run different versions of torch/torchvision (node 0: {base}); install "
+        _refuse(head + "the same on every host", odd)
         first = got[0]["fingerprint"] or ""  # without a data_dir, every one is None
         odd = differ(
             lambda r: r["fingerprint"], lambda r: f"holds fingerprint {r['fingerprint'][:12]}"
