@@ -1,7 +1,5 @@
-"""Launching on real hosts over SSH: one ``torchrun`` per host, followed from here.
-
-A host that does not see this run directory gets the files copied and its results brought
-back. Each host's agent stops its node at the end-of-file of its SSH session's input."""
+"""Launching on real hosts over SSH: one ``torchrun`` per host, followed from here. A host that
+does not see this run directory gets the files copied and its results brought back."""
 
 from __future__ import annotations
 
@@ -9,10 +7,10 @@ import dataclasses
 import io
 import json
 import os
-import secrets
+import re
 import shlex
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +27,7 @@ from .pipeline import AGENT, Processes
 from .preflight import as_config, check_run
 from .rundir import PRODUCTS
 from .script import Script
-from .ssh import SSH_FAILED, Ssh, pack, parse_hosts, remote_line, ssh_failure, unpack
+from .ssh import SSH_FAILED, Ssh, pack, parse_hosts, remote_line, unpack
 from .tables import Table
 from .topology import Topology
 
@@ -83,7 +81,7 @@ class Hosts(Processes):
         """Probe every host (and what its copy of the run directory holds), prove the network."""
         remote_dir = str(self.remote_run_dir or run_dir)
         env = {**forwarded_env(os.environ), **plan.env}
-        self.reports = self.survey(
+        self.reports, self.network = self.survey(
             plan.config, run_dir, env, (remote_dir, [*PRODUCTS, *plan.payload])
         )
         self.run_dir = run_dir
@@ -104,30 +102,25 @@ class Hosts(Processes):
         )
 
     def survey(self, config, folder: Path | None, user_env: Mapping[str, str], launch=None):
-        """Probe every host at once, then prove the network (``self.network``): a report per
-        host, or one :class:`HostError` naming every host that cannot run the job, and why.
+        """Probe every host at once, then prove the network: a report per host and the
+        NetworkReport, or one HostError naming every host that cannot run the job, and why.
 
-        ``config``: the worker's (its dataset is checked), or None. ``folder``: a folder here
-        (does each host see it?). ``launch``: a launch's remote run directory and the names to
-        look for there; node 0's port is then found (None) or checked free.
+        ``config``: the worker's, or None. ``folder``: does each host see this folder here?
+        ``launch``: a launch's remote run directory and the names to look for there.
         """
         data_dir = config.data_dir if config is not None else None
-        gpus = config is not None and config.backend == "nccl"
-        token = secrets.token_hex(8)  # in a file of ``folder``: does the host see it?
-        marker = folder / f".ddpnb-shared-{token}" if folder else None
-        if marker:
-            marker.write_text(token)
+        backend = config.backend if config is not None else "auto"
         remote_dir, held = launch or ("", [])
-        port = self.topology.master_port
-        asked = {"data_dir": data_dir, "gpus": gpus, "marker": str(marker or ""), "token": token}
-        asked |= {"dir": remote_dir, "held": held, "port": None}
-        each = [asked | {"port": (port or 0) if launch else None}] + [asked] * (self.nnodes - 1)
-        try:
-            with ThreadPoolExecutor(max_workers=min(32, self.nnodes)) as pool:
-                got = list(pool.map(self._ask, range(self.nnodes), each))
-        finally:
-            if marker:
-                marker.unlink()
+        port = self.topology.master_port  # None: node 0's probe picks a free one
+        asked = {"data_dir": data_dir, "gpus": backend == "nccl", "dir": remote_dir, "held": held}
+        asked["free_port"] = port is None
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ddpnb-shared-") as marker:
+            asked["marker"] = marker.name if folder else ""  # does the host see this file?
+            outs = self._on(range(self.nnodes), "probe", lambda n: [asked], PROBE_TIMEOUT)
+        found = [re.search(rb"^DDPNB-PROBE (.*)$", out, re.M) for out, _ in outs]
+        got = [
+            json.loads(f[1]) if f else why or "sent no report" for f, (_, why) in zip(found, outs)
+        ]
         problems = [(h, r) for h, r in zip(self.hosts, got) if isinstance(r, str)]
         reports = [(h, r) for h, r in zip(self.hosts, got) if isinstance(r, dict)]
         needed = ("torch", "torchvision") if data_dir is not None else ("torch",)
@@ -139,127 +132,83 @@ class Hosts(Processes):
             elif data_dir is not None and r["fingerprint"] is None:
                 why = f"has no dataset at {data_dir} (train/ and val/): copy it there with rsync -a"
                 problems.append((host, why))
-            elif gpus and r.get("gpus", 0) < self.nproc_per_node:
+            elif backend == "nccl" and r.get("gpus", 0) < self.nproc_per_node:
                 why = f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={self.nproc_per_node}"
                 problems.append((host, why))
         _refuse("Preflight failed; nothing was started", problems)
+        differ = lambda key, show: [(h, show(r)) for h, r in reports if key(r) != key(got[0])]
         release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
-        base = release(reports[0][1])
-        odd = [
-            (h, f"has torch {r['torch']}, torchvision {r['torchvision']}")
-            for h, r in reports
-            if release(r) != base
-        ]
+        odd = differ(release, lambda r: f"has torch {r['torch']}, torchvision {r['torchvision']}")
+        base = release(got[0])
         head = f"The hosts run different versions of torch/torchvision (node 0: {base}); install "
         _refuse(head + "the same on every host", odd)
-        first = reports[0][1]["fingerprint"] or ""  # without a data_dir, every one is None
-        differ = [
-            (h, f"holds fingerprint {r['fingerprint'][:12]}")
-            for h, r in reports
-            if (r["fingerprint"] or "") != first
-        ]
+        first = got[0]["fingerprint"] or ""  # without a data_dir, every one is None
+        odd = differ(
+            lambda r: r["fingerprint"], lambda r: f"holds fingerprint {r['fingerprint'][:12]}"
+        )
         head = (
             f"The dataset at {data_dir} differs from node 0's ({self.hosts[0]}, fingerprint "
             f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
         )
-        _refuse(head, differ)
-        if each[0]["port"] and got[0]["port"] is None:
-            raise HostError(
-                f"Port {port} is already in use on node 0 ({self.hosts[0]}). Pass another "
-                "master_port, or None to pick a free one.",
-                host=self.hosts[0],
-            )
-        self.network = check_network(
-            self.ssh, self.parsed, self.python,
-            master_addr=self.topology.master_addr or self.ssh.hostname(self.parsed[0]),
-            master_port=got[0]["port"] if launch else port,
-            backend="gloo" if config is not None and config.backend == "gloo" else "nccl",
-            user_env=user_env,
-        )  # fmt: skip
-        return got
-
-    def _ask(self, n: int, args: dict) -> dict | str:
-        """Node ``n``'s probe report, or why it gave none."""
-        try:
-            out = self._helper(n, "probe", args, timeout=PROBE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            return f"did not answer within {PROBE_TIMEOUT:.0f} s"
-        except OSError as e:
-            return f"could not run ssh ({e})"
-        for line in out.stdout.decode(errors="replace").splitlines():
-            if line.startswith("DDPNB-PROBE "):
-                return json.loads(line.split(" ", 1)[1])
-        return ssh_failure(out.returncode, out.stderr.decode(errors="replace"), self.python)
+        _refuse(head, odd)
+        addr = self.topology.master_addr or self.ssh.hostname(self.parsed[0])
+        port, backend = port or got[0]["port"], "gloo" if backend == "gloo" else "nccl"
+        return got, check_network(self.ssh, self.parsed, self.python, addr, port, backend, user_env)
 
     def start(self, plan, run_dir: Path, topology: Topology) -> None:
         files = io.BytesIO()  # a tar stream of the files (the pipeline wrote them here)
         pack(str(run_dir), list(plan.files), files)
-
-        def copy(n: int) -> None:  # with overwrite=True, what the host held goes first
-            clean = self.reports[n]["held"] if plan.overwrite else []
-            out = self._helper(n, "unpack", self.dirs[n], clean, timeout=60, input=files.getvalue())
-            if out.returncode != 0:
-                why = ssh_failure(out.returncode, out.stderr.decode(errors="replace"), self.python)
-                raise HostError(
-                    f"Could not copy the worker to {self.hosts[n]}:{self.dirs[n]}: {why}.",
-                    host=self.hosts[n],
-                )
-
-        with ThreadPoolExecutor(max_workers=self.nnodes) as pool:
-            list(pool.map(copy, [n for n, s in enumerate(self.shared) if not s]))
+        todo = [n for n, shared in enumerate(self.shared) if not shared]
+        clean = lambda n: self.reports[n]["held"] if plan.overwrite else []  # removed first
+        copied = self._on(todo, "unpack", lambda n: [self.dirs[n], clean(n)], 60, files.getvalue())
+        failed = [
+            (self.hosts[n], f"({self.dirs[n]}) {why}") for n, (_, why) in zip(todo, copied) if why
+        ]
+        _refuse("Could not copy the files to the hosts; nothing was started", failed)
         logger.info(
-            "launching %d host(s) x %d process(es) over SSH; node 0 (%s) hosts the rendezvous "
-            "at %s:%d",
-            topology.nnodes,
-            topology.nproc_per_node,
-            self.hosts[0],
-            topology.master_addr,
-            topology.master_port,
+            f"launching {topology.nnodes} host(s) x {topology.nproc_per_node} process(es) over "
+            f"SSH; node 0 ({self.hosts[0]}) hosts the rendezvous at {topology.master_addr}:"
+            f"{topology.master_port}"
         )
 
         agent = [self.python, "-c", AGENT.read_text()]  # the hosts need nothing of ddpnb
 
-        def commands(lifeline: int) -> dict:
-            out = {}
-            for n, (host, folder) in enumerate(zip(self.parsed, self.dirs)):
-                env = plan.node_env(folder, topology.nproc_per_node, self.reports[n]["cpus"])
-                env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **self.network.env(n), **env}
-                logs = f"{folder}/logs/node-{n}"
-                argv = topology.command(agent, n, plan.script, folder, log_dir=logs)
-                cmd = self.ssh.command(host, remote_line(argv, cwd=folder, env=env))
-                shown = remote_line([*argv[:2], "<ddpnb agent>", *argv[3:]], cwd=folder, env=env)
-                shown = f"{shlex.join(cmd[:-1])}  # runs, on that host:\n    {shown}"
-                # ssh forwards its input's EOF: the host's agent then stops its node.
-                out[n] = (cmd, shown, {"stdin": lifeline})
-            return out
+        def command(n: int, lifeline: int) -> tuple:
+            folder = self.dirs[n]
+            env = plan.node_env(folder, topology.nproc_per_node, self.reports[n]["cpus"])
+            env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **self.network.env(n), **env}
+            argv = topology.command(
+                agent, n, plan.script, folder, log_dir=f"{folder}/logs/node-{n}"
+            )
+            cmd = self.ssh.command(self.parsed[n], remote_line(argv, cwd=folder, env=env))
+            shown = remote_line([*argv[:2], "<ddpnb agent>", *argv[3:]], cwd=folder, env=env)
+            shown = f"{shlex.join(cmd[:-1])}  # runs, on that host:\n    {shown}"
+            return cmd, shown, {"stdin": lifeline}  # its EOF reaches the host: the agent stops
 
-        self.spawn_all(run_dir, "ssh", commands)
+        self.spawn_all(run_dir, "ssh", lambda fd: {n: command(n, fd) for n in range(self.nnodes)})
 
-    def _helper(self, n: int, name: str, *args, **kwargs) -> subprocess.CompletedProcess:
-        return self.ssh.helper(self.parsed[n], self.python, name, *args, **kwargs)
+    def _on(self, nodes: Sequence[int], name: str, args, timeout: float, input: bytes = b""):
+        """``name(*args(node))`` of :func:`helpers` on each of ``nodes``, all at once: a list of
+        (its output, why it failed or None)."""
+        one = lambda n: self.ssh.helper(self.parsed[n], self.python, name, args(n), timeout, input)
+        with ThreadPoolExecutor(max_workers=min(32, self.nnodes)) as pool:
+            return list(pool.map(one, nodes))
 
-    def _pull(self, names, timeout: float) -> list[int]:
-        """Copy ``names(node)`` here from each host without this run directory, all at once;
+    def _pull(self, names: dict[int, list[str]], timeout: float) -> list[int]:
+        """Copy ``names[node]`` here from those hosts without this run directory, all at once;
         the nodes that could not be read."""
-        todo = [n for n in range(self.nnodes) if not self.shared[n] and names(n)]
-
-        def one(n: int) -> bool:
-            try:
-                out = self._helper(n, "pack", self.dirs[n], names(n), timeout=timeout)
-            except subprocess.TimeoutExpired:
-                return False
-            if out.returncode == 0:
-                unpack(str(self.run_dir), stream=io.BytesIO(out.stdout))
-            return out.returncode == 0
-
-        with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
-            return [n for n, ok in zip(todo, pool.map(one, todo)) if not ok]
+        todo = [n for n in names if not self.shared[n]]
+        outs = self._on(todo, "pack", lambda n: [self.dirs[n], names[n]], timeout)
+        for out, why in outs:
+            if why is None:
+                unpack(str(self.run_dir), stream=io.BytesIO(out))
+        return [n for n, (_, why) in zip(todo, outs) if why]
 
     def sync_stacks(self, force: bool) -> None:
         if not force and time.monotonic() - self._stacks_synced < STACKS_SYNC_SECONDS:
             return
         self._stacks_synced = time.monotonic()
-        lost = self._pull(lambda n: [str(WATCH_DIR)], timeout=10)
+        lost = self._pull({n: [str(WATCH_DIR)] for n in range(self.nnodes)}, timeout=10)
         if force and lost:
             names = ", ".join(f"node {n} ({self.hosts[n]})" for n in lost)
             raise HostError(
@@ -279,10 +228,11 @@ class Hosts(Processes):
     def sync(self) -> None:
         if time.monotonic() - self._synced >= SYNC_SECONDS:
             self._synced = time.monotonic()
-            self._pull(lambda n: [] if n else ["progress.json", "metrics.jsonl"], timeout=10)
+            self._pull({0: ["progress.json", "metrics.jsonl"]}, timeout=10)
 
     def fetch(self) -> None:
-        for n in self._pull(lambda n: ["."] if n == 0 else ["ranks", f"logs/node-{n}"], 60):
+        names = {n: ["ranks", f"logs/node-{n}"] for n in range(1, self.nnodes)}
+        for n in self._pull({0: ["."], **names}, timeout=60):
             logger.warning("could not copy the results of node %d back from %s", n, self.hosts[n])
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
@@ -326,18 +276,15 @@ def check_hosts(
     if config is not None:
         config = check_run(as_config(config), nodes.nnodes * nproc_per_node, here=False)
     folder = Path(run_dir) if run_dir is not None and Path(run_dir).is_dir() else None
-    reports = nodes.survey(config, folder, forwarded_env(os.environ))
-    rows = Table()
-    for n, (host, r, net) in enumerate(zip(nodes.hosts, reports, nodes.network.rows)):
-        row = {"node": n, "host": host, "address": net.address, "interface": net.interface}
-        row |= {"reaches node 0": net.reaches_node0, "mesh": net.mesh, "versions": net.versions}
+    reports, network = nodes.survey(config, folder, forwarded_env(os.environ))
+    rows = network.hosts()
+    for row, r in zip(rows, reports):
         row |= {k: r[k] for k in ("cpus", "gpus") if k in r}  # gpus: asked of nccl's hosts only
         if config is not None:
-            row["dataset"] = (r["fingerprint"] or "")[:12]
+            row["dataset"] = r["fingerprint"][:12]
         if run_dir is not None:
             row["sees run_dir"] = r["shared"]
-        rows.append(row)
-    rows.network = nodes.network  # the interfaces chosen, and why: print(rows.network)
+    rows.network = network  # the interfaces chosen, and why: print(rows.network)
     return rows
 
 

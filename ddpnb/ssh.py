@@ -1,6 +1,5 @@
-"""Reaching real machines over SSH: the system's OpenSSH client; the hosts need only Python.
-
-What runs there (the probe, tar streams of files) is :func:`helpers`, sent as ``python -c``."""
+"""Reaching real machines with the system's OpenSSH client; the hosts need only Python: what
+runs there (the probe, tar streams of files) is :func:`helpers`, sent as ``python -c``."""
 
 from __future__ import annotations
 
@@ -40,28 +39,21 @@ class Host:
 
     @classmethod
     def parse(cls, spec: str) -> Host:
-        if not isinstance(spec, str) or not spec.strip() or spec != spec.strip():
-            raise ConfigError(
-                f"A host must be a name such as 'gpu1' or 'alice@gpu2:2222', got {spec!r}."
-            )
-        user, _, rest = spec.rpartition("@")
-        port = None
+        user, _, rest = str(spec).rpartition("@")
+        name, port = rest, None
         if rest.startswith("["):  # [IPv6]:port
-            name, _, tail = rest[1:].partition("]")
-            port = tail[1:] or None
+            name, _, port = rest[1:].partition("]")
+            port = port[1:] or None
         elif rest.count(":") == 1:
             name, port = rest.split(":")
-        else:
-            name = rest
-        if port is not None:
-            if not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"Host {spec!r}: the port after ':' must be 1..65535.")
-            port = int(port)
-        if not name or name.startswith("-") or any(c.isspace() for c in name):
+        if not isinstance(spec, str) or not name or name[0] == "-" or re.search(r"\s", spec):
             raise ConfigError(
-                f"Host {spec!r} is not a host name or address (no spaces, no leading '-')."
+                "A host must be a name or address such as 'gpu1' or 'alice@gpu2:2222' (no spaces, "
+                f"no leading '-'), got {spec!r}."
             )
-        return cls(spec, name, user or None, port)
+        if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"Host {spec!r}: the port after ':' must be 1..65535.")
+        return cls(spec, name, user or None, port and int(port))
 
     @property
     def destination(self) -> str:
@@ -94,12 +86,10 @@ class Ssh:
             raise ConfigError(
                 "ssh_options must be a list of ssh arguments, e.g. ['-o', 'StrictHostKeyChecking=no']."
             )
-        self.config = None if self.config is None else str(self.config)
-        self.options = tuple(self.options)
 
     def args(self, host: Host, *flags: str, defaults: bool = True) -> list[str]:
         """``ssh [-F config] options [SSH_DEFAULTS] [-p port] flags -- destination``."""
-        args = ["ssh", *(["-F", self.config] if self.config else []), *self.options]
+        args = ["ssh", *(["-F", str(self.config)] if self.config else []), *self.options]
         args += SSH_DEFAULTS if defaults else ()
         args += ["-p", str(host.port)] if host.port else []
         return [*args, *flags, "--", host.destination]
@@ -108,11 +98,19 @@ class Ssh:
         return [*self.args(host, "-T"), remote]
 
     def helper(
-        self, host: Host, python: str, name: str, *args, timeout: float, input: bytes = b""
-    ) -> subprocess.CompletedProcess:
-        """``name(*args)`` of :func:`helpers` on ``host``, ``input`` its stdin."""
+        self, host: Host, python: str, name: str, args: list, timeout: float, input: bytes = b""
+    ) -> tuple[bytes, str | None]:
+        """``name(*args)`` of :func:`helpers` on ``host``, ``input`` its stdin: its output, and
+        why it failed (None if it did not)."""
         cmd = self.command(host, remote_line([python, "-c", helpers(), name, json.dumps(args)]))
-        return subprocess.run(cmd, input=input, capture_output=True, timeout=timeout)
+        try:
+            out = subprocess.run(cmd, input=input, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return b"", f"did not answer within {timeout:.0f} s"
+        except OSError as e:
+            return b"", f"could not run ssh ({e})"
+        why = ssh_failure(out.returncode, out.stderr.decode(errors="replace"), python)
+        return out.stdout, why if out.returncode else None
 
     def hostname(self, host: Host) -> str:
         """The address ssh connects to for ``host`` (its config's ``HostName``, ``ssh -G``)."""
@@ -158,8 +156,8 @@ def ssh_failure(returncode: int, stderr: str, python: str) -> str:
 def probe(args: dict) -> None:
     """Print what the preflight needs to know about this host.
 
-    ``args``: ``data_dir``; ``marker`` (a path) and ``token``, its content where it was written
-    (does this host see it?); the ``held`` names in ``dir``; a ``port`` to bind; ``gpus``.
+    ``args``: ``data_dir``; ``marker`` (a path: does this host see it?); the ``held`` names in
+    ``dir``; ``free_port`` (pick one for node 0's rendezvous); ``gpus``.
     """
     import importlib.metadata as md
 
@@ -170,20 +168,11 @@ def probe(args: dict) -> None:
     data = args["data_dir"]
     found = data and all(os.path.isdir(os.path.join(data, s)) for s in ("train", "val"))
     out["fingerprint"] = dataset_fingerprint(data) if found else None
-    try:
-        with open(args["marker"]) as f:
-            out["shared"] = f.read() == args["token"]
-    except OSError:
-        out["shared"] = False
+    out["shared"] = os.path.exists(args["marker"])
     out["held"] = [n for n in args["held"] if os.path.lexists(os.path.join(args["dir"], n))]
-    if args["port"] is not None:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds
-            try:
-                s.bind(("", args["port"]))
-                out["port"] = s.getsockname()[1]
-            except OSError:
-                out["port"] = None
+    if args["free_port"]:
+        with socket.create_server(("", 0)) as s:
+            out["port"] = s.getsockname()[1]
     if args["gpus"] and out["torch"]:
         import torch
 
