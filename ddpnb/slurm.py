@@ -104,13 +104,9 @@ def job_state(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, st
         fields = "State,ExitCode,NodeList,Start"
         r = _slurm(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", fields], env, check=False)
         if r.returncode == 0 and r.stdout.strip():
-            state, *rest = r.stdout.splitlines()[0].split("|")
-            info = dict(zip(("ExitCode", "NodeList", "StartTime"), rest))
-            return {
-                "JobState": state.partition(" ")[0],
-                "Reason": "None",
-                **info,
-            }  # "CANCELLED by 0"
+            state, *rest = r.stdout.splitlines()[0].split("|")  # "CANCELLED by 0"
+            info = dict(zip(("ExitCode", "NodeList", "StartTime"), rest), Reason="None")
+            return {"JobState": state.partition(" ")[0], **info}
     return {"JobState": "UNKNOWN", "Reason": "Slurm no longer knows the job"}
 
 
@@ -244,8 +240,8 @@ class Slurm(Scheduler):
         mine = [row for row in rows if row[0].rstrip("*") == self.partition]
         if not mine:
             raise SlurmRequestError(
-                f"Slurm has no partition {self.partition!r}. Partitions here: {names or 'none'} "
-                "(`sinfo` lists them)."
+                f"Slurm has no partition {self.partition!r}. Partitions here: "
+                f"{names or 'none'} (`sinfo` lists them)."
             )
         if not any(avail == "up" for *_, avail in mine):
             logger.warning("partition %s is not up: the job will wait until it is", self.partition)
@@ -254,13 +250,14 @@ class Slurm(Scheduler):
         gpus = max((int(n) for row in mine for n in re.findall(gres, row[2])), default=0)
         if self.nnodes > nodes:
             raise SlurmRequestError(
-                f"nnodes={self.nnodes}, but partition {self.partition!r} has {nodes} node(s): ask for "
-                f"at most {nodes}, or choose a bigger partition."
+                f"nnodes={self.nnodes}, but partition {self.partition!r} has {nodes} node(s): "
+                f"ask for at most {nodes}, or choose a bigger partition."
             )
         if self.gpus_per_node and self.gpus_per_node > gpus:
             raise SlurmRequestError(
-                f"gpus_per_node={self.gpus_per_node}, but the nodes of partition {self.partition!r} have "
-                f"at most {gpus} GPU(s) (sinfo's GRES): ask for fewer, or choose a GPU partition."
+                f"gpus_per_node={self.gpus_per_node}, but the nodes of partition "
+                f"{self.partition!r} have at most {gpus} GPU(s) (sinfo's GRES): ask for fewer, "
+                "or choose a GPU partition."
             )
 
     def preflight(self, plan, run_dir: Path) -> Topology:
