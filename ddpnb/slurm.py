@@ -110,13 +110,6 @@ def job_state(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, st
     return {"JobState": "UNKNOWN", "Reason": "Slurm no longer knows the job"}
 
 
-def hostnames(nodelist: str, env: Mapping[str, str] | None = None) -> list[str]:
-    """``n[1-3]`` as ``['n1', 'n2', 'n3']`` (``scontrol show hostnames``)."""
-    if nodelist in NO_VALUE:
-        return []
-    return _slurm(["scontrol", "show", "hostnames", nodelist], env).stdout.split()
-
-
 def slurm_available(env: Mapping[str, str] | None = None) -> bool:
     """True when Slurm's commands are here and a controller answers (``sinfo``)."""
     try:
@@ -215,9 +208,13 @@ class Slurm(Scheduler):
 
     def __post_init__(self) -> None:
         self.nnodes, self.nproc_per_node = self.topology.nnodes, self.topology.nproc_per_node
-        self.master_addr: str | None = None  # the allocation's first node, once it runs
         self._state: dict[str, str] = {}
         self._asked = 0.0
+
+    @property
+    def master_addr(self) -> str | None:
+        """The allocation's first node, where the batch script runs (None until it runs)."""
+        return self.slurm_state().get("BatchHost") or None
 
     @property
     def master_port(self) -> int | None:
@@ -301,9 +298,6 @@ class Slurm(Scheduler):
         if fresh or time.monotonic() - self._asked >= POLL_SECONDS:
             self._state = job_state(self.job_id, self.env) or self._state  # None: ask later
             self._asked = time.monotonic()
-            if self.master_addr is None:
-                nodes = hostnames(self._state.get("NodeList", ""), self.env)
-                self.master_addr = nodes[0] if nodes else None
         return self._state
 
     @property
@@ -372,13 +366,13 @@ class Slurm(Scheduler):
                     "the run directory is on a shared filesystem.",
                 )
             return error
-        nodes = ", ".join(hostnames(info.get("NodeList", ""), self.env)) or "no node"
+        nodes = info.get("NodeList", "")
         hint = ENDED_HINTS.get(state, "see `scontrol show job` and the batch log")
         reason = info.get("Reason", "None")
         fields = dict(state=state, reason=reason, job_id=self.job_id, exit_code=exit_code)
         return SlurmJobEnded(
-            f"Slurm ended job {self.job_id} with state {state} (reason: {reason}) on {nodes}: "
-            f"{hint}.{resume_hint(self.run_dir)}",
+            f"Slurm ended job {self.job_id} with state {state} (reason: {reason}) on "
+            f"{'no node' if nodes in NO_VALUE else nodes}: {hint}.{resume_hint(self.run_dir)}",
             log_tail=log_tail(self.run_dir, 0, 20) or _read_tail(log, 20),
             **fields,
         )
@@ -388,9 +382,8 @@ class Slurm(Scheduler):
     ) -> str:
         """The sbatch script: ``#SBATCH`` lines, then one torchrun per node.
 
-        No ``topology.master_port``: one from the job id, so two jobs on one node do not collide.
         ``marker``: the submission's token (adds the marker and network steps; sbatch's command
-        line names the output).
+        line names the output). No ``master_port``: one from the job id, so jobs do not collide.
         """
         q, t = shlex.quote, self.topology
         port = str(t.master_port or "$master_port")
