@@ -45,10 +45,6 @@ def node_commands(
     ``"c10d"``: an elastic rendezvous on the first host, each line naming its own
     ``--local_addr``. ``node_rank``: only that node's line. ``launcher``: what starts
     torchrun (e.g. ``["python3", "-m", "torch.distributed.run"]``).
-
-    >>> cmds = node_commands(TrainConfig(), "/shared/run", hosts=["10.0.0.1", "10.0.0.2"])
-    >>> cmds[1].split()[:3]
-    ['torchrun', '--nnodes=2', '--node_rank=1']
     """
     script = what if isinstance(what, Script) else Script.worker(as_config(what))
     hosts = list(hosts)

@@ -4,6 +4,7 @@ A batch job outlives the kernel that submitted it: :func:`attach` follows it fro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -99,33 +100,23 @@ def job_state(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, st
         logger.debug("scontrol show job %s: %s", job_id, r.stderr.strip())
         return None  # slurmctld busy or restarting: ask again later
     # Purged (MinJobAge passed): the accounting, where there is one, still knows it.
-    gone = {"JobState": "UNKNOWN", "Reason": "Slurm no longer knows the job"}
-    if shutil.which("sacct", path=(env or os.environ).get("PATH")) is None:
-        return gone
-    fields = "State,ExitCode,NodeList,Start"
-    r = _slurm(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", fields], env, check=False)
-    lines = r.stdout.splitlines() if r.returncode == 0 else []
-    if not lines:
-        return gone
-    state, *rest = lines[0].split("|")
-    info = dict(zip(("ExitCode", "NodeList", "StartTime"), rest))
-    return {"JobState": state.partition(" ")[0], "Reason": "None", **info}  # "CANCELLED by 0"
-
-
-def hostnames(nodelist: str, env: Mapping[str, str] | None = None) -> list[str]:
-    """``n[1-3]`` as ``['n1', 'n2', 'n3']`` (``scontrol show hostnames``)."""
-    if nodelist in NO_VALUE:
-        return []
-    return _slurm(["scontrol", "show", "hostnames", nodelist], env).stdout.split()
+    if shutil.which("sacct", path=(env or os.environ).get("PATH")):
+        fields = "State,ExitCode,NodeList,Start"
+        r = _slurm(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", fields], env, check=False)
+        if r.returncode == 0 and r.stdout.strip():
+            state, *rest = r.stdout.splitlines()[0].split("|")  # "CANCELLED by 0"
+            info = dict(zip(("ExitCode", "NodeList", "StartTime"), rest), Reason="None")
+            return {"JobState": state.partition(" ")[0], **info}
+    return {"JobState": "UNKNOWN", "Reason": "Slurm no longer knows the job"}
 
 
 def slurm_available(env: Mapping[str, str] | None = None) -> bool:
     """True when Slurm's commands are here and a controller answers (``sinfo``)."""
     try:
-        answers = _slurm(["sinfo", "-h", "-o", "%P"], env, check=False).returncode == 0
+        _slurm(["sinfo", "-h", "-o", "%P"], env)
     except SlurmError:
         return False
-    return answers and shutil.which("sbatch", path=(env or os.environ).get("PATH")) is not None
+    return shutil.which("sbatch", path=(env or os.environ).get("PATH")) is not None
 
 
 def _exit_code(info: Mapping[str, str]) -> int | None:
@@ -141,25 +132,89 @@ def _read_tail(path: Path, lines: int) -> str:
         return ""
 
 
+BATCH = """#!/bin/bash
+{header}
+
+# One torchrun agent per node (ntasks-per-node=1); each starts {t.nproc_per_node} worker(s).
+# The first node of the allocation hosts the c10d rendezvous.
+{note}
+set -euo pipefail
+{marker}
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# The address Slurm itself uses for that node (a node name need not resolve everywhere).
+head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+head_node=${{head_addr:-$head_node}}
+{port_line}mkdir -p {run_dir}/logs
+export DDPNB_RUN_DIR={run_dir} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
+{exports}
+# srun starts one task per node. Its options, set as its environment variables: stop
+# every node when one fails; each node's output to logs/node-N.log (N: the node's index
+# in the job), appended to after a requeue.
+{network}export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
+export SLURM_STDOUTMODE={node_log}
+# After a torchrun restart the agents meet in a new rendezvous round. Each round's workers
+# get a store of their own (hosted by rank 0) rather than the agents' shared one, whose
+# keys outlive the round: under c10d each agent counts only its own restarts, so a
+# per-attempt key prefix could differ between nodes and they would never meet.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# Each node names its own address (Slurm's NodeAddr) and the first node says it hosts the
+# store (torchrun reads PET_<OPTION> as that option): torchrun would otherwise go by the
+# host name, which on clusters with a separate training network resolves to the other one.
+srun bash -c 'addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")
+export PET_LOCAL_ADDR="${{addr:-$SLURMD_NODENAME}}"
+export PET_RDZV_CONF="join_timeout={t.rdzv_timeout},is_host=$((SLURM_NODEID == 0))"
+export PET_LOG_DIR="$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"
+net="$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$net"; fi
+exec "$@"' bash {launcher} \\
+    {torchrun}
+"""
+SUBMITTED = """
+# The run directory must be on a filesystem every node shares: each node checks that it
+# sees the marker the submit host wrote there, else the job ends at once (exit 97).
+srun --ntasks-per-node=1 bash -c 'grep -qx "$1" "$0" 2>/dev/null || {{ echo "ddpnb: node \
+$SLURMD_NODENAME cannot see $0, the marker written at submission: the run directory must \
+be on a filesystem shared by the submit host and every node." >&2; exit 97; }}' \\
+    {marker_path} {token}
+"""
+NETWORK = """# The network, proven before training, from this node: one check per node (srun)
+# relayed through this one. Every node reaches the first node's port and every peer on its
+# interface toward the first node (written to logs/net-env-N.sh for torchrun below), then a
+# gloo all-reduce runs over those interfaces. A node that cannot stops the job at once
+# (exit 96), named in this log.
+{python} "$DDPNB_RUN_DIR/ddpnb_meshcheck.py" --nnodes "$SLURM_NNODES" \\
+    --master-addr "$head_node" --master-port "{port}" --timeout 20 --backend gloo \\
+    --env-file "$DDPNB_RUN_DIR/logs/net-env-{{node_rank}}.sh" || exit 96
+
+"""
+
+
+@dataclasses.dataclass(eq=False)
 class Slurm(Scheduler):
-    """A run as one batch job (``job_id``: one submitted earlier).
+    """A run as one batch job (``job_id``: one submitted earlier); the rest: sbatch's options."""
 
-    ``options``: partition, time, account, gpus_per_node, sbatch_args, python.
-    """
-
+    topology: Topology
+    env: Mapping[str, str]  # Slurm's commands run with it
+    run_dir: Path = Path()
+    job_id: str = ""  # the job's, once submitted
+    partition: str | None = None  # None: the cluster's default
+    time: str = "01:00:00"
+    account: str | None = None
+    gpus_per_node: int | None = None
+    sbatch_args: Sequence[str] = ()
+    python: str | None = None  # the nodes' (None: torchrun on PATH)
+    job_name: str = "ddpnb"
     watch_stalls = False  # a queued job is silent for as long as Slurm makes it wait
     outlives_launcher = True  # a batch job belongs to the cluster, not to this process
 
-    def __init__(
-        self, topology: Topology, env: Mapping[str, str], run_dir: Path = Path(), job_id: str = "",
-        **options: Any,
-    ) -> None:  # fmt: skip
-        self.topology, self.env, self.options = topology, dict(env), options
-        self.nnodes, self.nproc_per_node = topology.nnodes, topology.nproc_per_node
-        self.run_dir, self.job_id = Path(run_dir), str(job_id)  # the job's, once submitted
-        self.master_addr: str | None = None  # the allocation's first node, once it runs
+    def __post_init__(self) -> None:
+        self.nnodes, self.nproc_per_node = self.topology.nnodes, self.topology.nproc_per_node
         self._state: dict[str, str] = {}
         self._asked = 0.0
+
+    @property
+    def master_addr(self) -> str | None:
+        """The allocation's first node, where the batch script runs (None until it runs)."""
+        return self.slurm_state().get("BatchHost") or None
 
     @property
     def master_port(self) -> int | None:
@@ -169,42 +224,37 @@ class Slurm(Scheduler):
     def check(self, plan) -> None:
         """Check that sbatch exists and the partition can hold the job; pick the partition."""
         _slurm(["sbatch", "--version"], self.env)
-        parts: dict[str, dict] = {}
-        default = None
-        for line in _slurm(["sinfo", "-h", "-o", "%P|%D|%G|%a"], self.env).stdout.splitlines():
-            name, nodes, gres, avail = (line.split("|") + [""] * 4)[:4]
-            if name.endswith("*"):
-                name = default = name[:-1]
-            gpus = [int(m) for m in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
-            part = parts.setdefault(name, {"nodes": 0, "gpus": 0, "up": False})
-            part["nodes"] += int(nodes or 0)  # one line per group of alike nodes
-            part["gpus"] = max([part["gpus"], *gpus])
-            part["up"] |= avail == "up"
-        names = ", ".join(sorted(parts))
-        partition, gpus_per_node = self.options["partition"], self.options["gpus_per_node"]
-        if partition is None and default is None:
+        out = _slurm(["sinfo", "-h", "-o", "%P|%D|%G|%a"], self.env).stdout
+        rows = [line.split("|") for line in out.splitlines()]  # one per group of alike nodes
+        names = ", ".join(sorted({row[0].rstrip("*") for row in rows}))
+        if self.partition is None:
+            self.partition = next((row[0][:-1] for row in rows if row[0].endswith("*")), None)
+        if self.partition is None:
             raise SlurmRequestError(
                 "This cluster has no default partition: pass partition= (one of "
                 f"{names or 'none found'}; `sinfo` lists them)."
             )
-        partition = self.options["partition"] = default if partition is None else partition
-        part = parts.get(partition)
-        if part is None:
+        mine = [row for row in rows if row[0].rstrip("*") == self.partition]
+        if not mine:
             raise SlurmRequestError(
-                f"Slurm has no partition {partition!r}. Partitions here: {names or 'none'} "
-                "(`sinfo` lists them)."
+                f"Slurm has no partition {self.partition!r}. Partitions here: "
+                f"{names or 'none'} (`sinfo` lists them)."
             )
-        if not part["up"]:
-            logger.warning("partition %s is not up: the job will wait until it is", partition)
-        if self.nnodes > part["nodes"]:
+        if not any(avail == "up" for *_, avail in mine):
+            logger.warning("partition %s is not up: the job will wait until it is", self.partition)
+        nodes = sum(int(row[1] or 0) for row in mine)
+        gres = r"gpu(?::[^:,(]+)?:(\d+)"
+        gpus = max((int(n) for row in mine for n in re.findall(gres, row[2])), default=0)
+        if self.nnodes > nodes:
             raise SlurmRequestError(
-                f"nnodes={self.nnodes}, but partition {partition!r} has {part['nodes']} node(s): ask for "
-                f"at most {part['nodes']}, or choose a bigger partition."
+                f"nnodes={self.nnodes}, but partition {self.partition!r} has {nodes} node(s): "
+                f"ask for at most {nodes}, or choose a bigger partition."
             )
-        if gpus_per_node and gpus_per_node > part["gpus"]:
+        if self.gpus_per_node and self.gpus_per_node > gpus:
             raise SlurmRequestError(
-                f"gpus_per_node={gpus_per_node}, but the nodes of partition {partition!r} have at "
-                f"most {part['gpus']} GPU(s) (sinfo's GRES): ask for fewer, or choose a GPU partition."
+                f"gpus_per_node={self.gpus_per_node}, but the nodes of partition "
+                f"{self.partition!r} have at most {gpus} GPU(s) (sinfo's GRES): ask for fewer, "
+                "or choose a GPU partition."
             )
 
     def preflight(self, plan, run_dir: Path) -> Topology:
@@ -218,19 +268,14 @@ class Slurm(Scheduler):
         return self.topology  # the first node and the port: the job's, once it runs
 
     def start(self, plan, run_dir: Path, topology: Topology) -> None:
-        o = self.options
         token = secrets.token_hex(16)
         (run_dir / MARKER_NAME).write_text(token + "\n")
         shutil.copyfile(Path(__file__).with_name("meshcheck.py"), run_dir / MESHCHECK_NAME)
         env = plan.user_env(str(run_dir), os.environ.get("PYTHONPATH"))
-        text = batch_script(
-            plan.script, run_dir, topology, o["python"], o["time"], o["gpus_per_node"], env, token,
-            partition=o["partition"], account=o["account"],
-        )  # fmt: skip
-        (run_dir / SCRIPT_NAME).write_text(text)
+        (run_dir / SCRIPT_NAME).write_text(self.batch_script(plan.script, run_dir, env, token))
         # sbatch's --output goes on its command line: a #SBATCH line cannot hold a space.
         output = f"--output={run_dir / 'logs' / 'slurm-%j.out'}"
-        argv = ["sbatch", "--parsable", output, *o["sbatch_args"], str(run_dir / SCRIPT_NAME)]
+        argv = ["sbatch", "--parsable", output, *self.sbatch_args, str(run_dir / SCRIPT_NAME)]
         submitted_at = time.time()
         r = _slurm(argv, self.env, cwd=run_dir, check=False)
         if r.returncode != 0 or not r.stdout.strip():
@@ -239,19 +284,13 @@ class Slurm(Scheduler):
                 f"The script is {run_dir / SCRIPT_NAME}."
             )
         self.run_dir, self.job_id = run_dir, r.stdout.strip().split(";")[0]
-        t = topology
-        logger.info(
-            "submitted Slurm job %s: %d node(s) x %d process(es)",
-            self.job_id,
-            t.nnodes,
-            t.nproc_per_node,
-        )
-        record = {"job_id": self.job_id, "nnodes": t.nnodes, "nproc_per_node": t.nproc_per_node}
-        record |= {"partition": o["partition"], "slurm_conf": self.env.get("SLURM_CONF")}
-        record |= {"submitted_at": submitted_at, "sbatch": argv, "script": plan.script.name}
+        shape = (self.job_id, self.nnodes, self.nproc_per_node)
+        logger.info("submitted Slurm job %s: %d node(s) x %d process(es)", *shape)
+        record = {"job_id": self.job_id, **dataclasses.asdict(topology), "sbatch": argv}
+        record |= {"partition": self.partition, "slurm_conf": self.env.get("SLURM_CONF")}
+        record |= {"submitted_at": submitted_at, "script": plan.script.name}
         record |= {"args": list(plan.script.args), "hang_timeout": plan.hang_timeout}
-        record |= {"on_hang": plan.on_hang, "rdzv_timeout": t.rdzv_timeout}
-        record["max_restarts"] = t.max_restarts
+        record["on_hang"] = plan.on_hang
         (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
     def slurm_state(self, fresh: bool = False) -> dict[str, str]:
@@ -259,9 +298,6 @@ class Slurm(Scheduler):
         if fresh or time.monotonic() - self._asked >= POLL_SECONDS:
             self._state = job_state(self.job_id, self.env) or self._state  # None: ask later
             self._asked = time.monotonic()
-            if self.master_addr is None:
-                nodes = hostnames(self._state.get("NodeList", ""), self.env)
-                self.master_addr = nodes[0] if nodes else None
         return self._state
 
     @property
@@ -309,145 +345,69 @@ class Slurm(Scheduler):
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:
         info = self.slurm_state(fresh=True)
-        state, exit_code = info.get("JobState", "UNKNOWN"), _exit_code(info)
-        batch_log = self.batch_log()
+        state, exit_code, log = info.get("JobState", "UNKNOWN"), _exit_code(info), self.batch_log()
         if exit_code == NOT_SHARED_EXIT:
             return RunDirNotShared(
                 f"Slurm job {self.job_id} stopped at once: a node could not see the run directory "
                 f"{self.run_dir} (the marker written at submission was missing there). The run "
                 "directory must be on a filesystem shared by this host and every node (e.g. "
                 "/home or /scratch on most clusters); choose such a run_dir.",
-                log_tail=_read_tail(batch_log, 10),
+                log_tail=_read_tail(log, 10),
             )
         if exit_code == NETWORK_EXIT:
             return NetworkError(
                 f"Slurm job {self.job_id} stopped before training: the network check of its "
-                f"first step failed. From the batch log ({batch_log}):\n"
-                + _read_tail(batch_log, 30)
+                f"first step failed. From the batch log ({log}):\n" + _read_tail(log, 30)
             )
         if state == "FAILED":
             if not any((self.run_dir / "logs").glob("node-*.log")):
                 error.args = (
-                    f"{error} No node log was written: check the batch log "
-                    f"({batch_log}) and that the run directory is on a shared filesystem.",
+                    f"{error} No node log was written: check the batch log ({log}) and that "
+                    "the run directory is on a shared filesystem.",
                 )
             return error
-        nodes = hostnames(info.get("NodeList", ""), self.env)
+        nodes = info.get("NodeList", "")
         hint = ENDED_HINTS.get(state, "see `scontrol show job` and the batch log")
         reason = info.get("Reason", "None")
+        fields = dict(state=state, reason=reason, job_id=self.job_id, exit_code=exit_code)
         return SlurmJobEnded(
             f"Slurm ended job {self.job_id} with state {state} (reason: {reason}) on "
-            f"{', '.join(nodes) or 'no node'}: {hint}.{resume_hint(self.run_dir)}",
-            state=state,
-            reason=reason,
-            job_id=self.job_id,
-            exit_code=exit_code,
-            log_tail=log_tail(self.run_dir, 0, 20) or _read_tail(batch_log, 20),
+            f"{'no node' if nodes in NO_VALUE else nodes}: {hint}.{resume_hint(self.run_dir)}",
+            log_tail=log_tail(self.run_dir, 0, 20) or _read_tail(log, 20),
+            **fields,
         )
 
+    def batch_script(
+        self, script: Script, run_dir: Path, env: Mapping[str, str] | None = None, marker: str = ""
+    ) -> str:
+        """The sbatch script: ``#SBATCH`` lines, then one torchrun per node.
 
-BATCH = """#!/bin/bash
-{header}
-
-# One torchrun agent per node (ntasks-per-node=1); each starts {t.nproc_per_node} worker(s).
-# The first node of the allocation hosts the c10d rendezvous.
-{note}
-set -euo pipefail
-{marker}
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-# The address Slurm itself uses for that node (a node name need not resolve everywhere).
-head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
-head_node=${{head_addr:-$head_node}}
-{port_line}mkdir -p {run_dir}/logs
-export DDPNB_RUN_DIR={run_dir} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
-{exports}
-# srun starts one task per node. Its options, set as its environment variables: stop
-# every node when one fails; each node's output to logs/node-N.log (N: the node's index
-# in the job), appended to after a requeue.
-{network}export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
-export SLURM_STDOUTMODE={node_log}
-# After a torchrun restart the agents meet in a new rendezvous round. Each round's workers
-# get a store of their own (hosted by rank 0) rather than the agents' shared one, whose
-# keys outlive the round: under c10d each agent counts only its own restarts, so a
-# per-attempt key prefix could differ between nodes and they would never meet.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# Each node names its own address (Slurm's NodeAddr) and the first node says it hosts the
-# store (torchrun reads PET_<OPTION> as that option): torchrun would otherwise go by the
-# host name, which on clusters with a separate training network resolves to the other one.
-srun bash -c 'addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")
-export PET_LOCAL_ADDR="${{addr:-$SLURMD_NODENAME}}"
-export PET_RDZV_CONF="join_timeout={t.rdzv_timeout},is_host=$((SLURM_NODEID == 0))"
-export PET_LOG_DIR="$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"
-net="$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$net"; fi
-exec "$@"' bash {launcher} \\
-    {torchrun}
-"""
-SUBMITTED = """
-# The run directory must be on a filesystem every node shares: each node checks that it
-# sees the marker the submit host wrote there, else the job ends at once (exit 97).
-srun --ntasks-per-node=1 bash -c 'grep -qx "$1" "$0" 2>/dev/null || {{ echo "ddpnb: node \
-$SLURMD_NODENAME cannot see $0, the marker written at submission: the run directory must \
-be on a filesystem shared by the submit host and every node." >&2; exit 97; }}' \\
-    {marker_path} {marker}
-"""
-NETWORK = """# The network, proven before training, from this node: one check per node (srun)
-# relayed through this one. Every node reaches the first node's port and every peer on its
-# interface toward the first node (written to logs/net-env-N.sh for torchrun below), then a
-# gloo all-reduce runs over those interfaces. A node that cannot stops the job at once
-# (exit 96), named in this log.
-{python} "$DDPNB_RUN_DIR/ddpnb_meshcheck.py" --nnodes "$SLURM_NNODES" \\
-    --master-addr "$head_node" --master-port "{port}" --timeout 20 --backend gloo \\
-    --env-file "$DDPNB_RUN_DIR/logs/net-env-{{node_rank}}.sh" || exit 96
-
-"""
-
-
-def batch_script(
-    script: Script,
-    run_dir: Path,
-    topology: Topology,
-    python: str | None,
-    time: str,
-    gpus_per_node: int | None,
-    env: Mapping[str, str] | None = None,
-    marker: str | None = None,
-    job_name: str = "ddpnb",
-    **sbatch: str | None,
-) -> str:
-    """The sbatch script: ``#SBATCH`` lines, then one torchrun per node.
-
-    No ``topology.master_port``: one from the job id, so two jobs on one node do not collide.
-    ``marker``: the submission's token (adds the marker and network steps). ``sbatch``: more
-    ``#SBATCH`` options, a None one left out.
-    """
-    q = shlex.quote
-    port = str(topology.master_port or "$master_port")
-    args = topology.command(
-        [], None, script, str(run_dir), log_dir="", rendezvous="c10d", rdzv_id="$SLURM_JOB_ID",
-        endpoint=f"$head_node:{port}",
-    )  # fmt: skip
-    options = [f"--job-name={job_name}", f"--nodes={topology.nnodes}", "--ntasks-per-node=1"]
-    options += [f"--time={time}", "--open-mode=append"]
-    options += [f"--{k}={v}" for k, v in sbatch.items() if v]
-    options += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
-    own = re.compile(r"\$(head_node|master_port|SLURM_\w+)")  # the job's variables expand
-    marker_step = network = ""
-    if marker:
-        marker_step = SUBMITTED.format(marker_path=q(str(run_dir / MARKER_NAME)), marker=q(marker))
-        network = NETWORK.format(python=q(python or "python3"), port=port)
-    return BATCH.format(
-        header="\n".join(f"#SBATCH {o}" for o in options),
-        t=topology,
-        note=FINGERPRINT_NOTE,
-        port_line="" if topology.master_port else "master_port=$((20000 + SLURM_JOB_ID % 20000))\n",
-        run_dir=q(str(run_dir)),
-        exports="".join(f"export {k}={q(v)}\n" for k, v in (env or {}).items()),
-        node_log=q(str(run_dir / "logs" / "node-%n.log")),
-        launcher=f"{q(python)} -m torch.distributed.run" if python else "torchrun",
-        torchrun=" \\\n    ".join(f'"{a}"' if own.search(a) else q(a) for a in args),
-        marker=marker_step,
-        network=network,
-    )
+        ``marker``: the submission's token (adds the marker and network steps; sbatch's command
+        line names the output). No ``master_port``: one from the job id, so jobs do not collide.
+        """
+        q, t = shlex.quote, self.topology
+        port = str(t.master_port or "$master_port")
+        c10d = {"rendezvous": "c10d", "rdzv_id": "$SLURM_JOB_ID", "endpoint": f"$head_node:{port}"}
+        args = t.command([], None, script, str(run_dir), "", **c10d)
+        own = re.compile(r"\$(head_node|master_port|SLURM_\w+)")  # the job's variables expand
+        output = None if marker else "%x-%j.out"  # submitted: on sbatch's command line
+        sbatch = {"job-name": self.job_name, "nodes": t.nnodes, "ntasks-per-node": 1}
+        sbatch |= {"time": self.time, "open-mode": "append", "output": output}
+        sbatch |= {"partition": self.partition, "account": self.account}
+        sbatch["gpus-per-node"] = self.gpus_per_node
+        v = dict(t=t, port=port, note=FINGERPRINT_NOTE, python=q(self.python or "python3"))
+        v |= dict(
+            token=q(marker), marker_path=q(str(run_dir / MARKER_NAME)), run_dir=q(str(run_dir))
+        )
+        v["header"] = "\n".join(f"#SBATCH --{k}={x}" for k, x in sbatch.items() if x)
+        v["port_line"] = "" if t.master_port else "master_port=$((20000 + SLURM_JOB_ID % 20000))\n"
+        v["exports"] = "".join(f"export {k}={q(x)}\n" for k, x in (env or {}).items())
+        v["node_log"] = q(str(run_dir / "logs" / "node-%n.log"))
+        v["launcher"] = f"{q(self.python)} -m torch.distributed.run" if self.python else "torchrun"
+        v["torchrun"] = " \\\n    ".join(f'"{a}"' if own.search(a) else q(a) for a in args)
+        v["marker"] = marker and SUBMITTED.format(**v)
+        v["network"] = marker and NETWORK.format(**v)
+        return BATCH.format(**v)
 
 
 def slurm_script(
@@ -472,17 +432,12 @@ def slurm_script(
     Writes it to ``path`` when given. ``master_port=None``: a port from the job id.
     ``python`` runs ``python -m torch.distributed.run`` (default: ``torchrun`` on PATH).
     Node output goes to ``run_dir/logs/node-N.log``, the script's to ``%x-%j.out``.
-
-    >>> "torchrun" in slurm_script(TrainConfig(), "/shared/run", nnodes=4)
-    True
     """
     script = what if isinstance(what, Script) else Script.worker(as_config(what))
     topology = Topology(nnodes, nproc_per_node, None, master_port, rdzv_timeout, max_restarts)
-    named = {"output": "%x-%j.out", "partition": partition, "account": account}
-    run_dir = Path(run_dir)
-    text = batch_script(
-        script, run_dir, topology, python, time_limit, gpus_per_node, job_name=job_name, **named
-    )
+    named = {"partition": partition, "account": account, "python": python, "job_name": job_name}
+    slurm = Slurm(topology, os.environ, time=time_limit, gpus_per_node=gpus_per_node, **named)
+    text = slurm.batch_script(script, Path(run_dir))
     if path is not None:
         Path(path).write_text(text)
     return text
@@ -519,20 +474,14 @@ def submit_slurm(
     Raises :class:`~ddpnb.errors.WorkerFailed` or :class:`SlurmJobEnded` on failure; the
     job outlives this process (:func:`attach` follows it again).
     """
-    if not isinstance(sbatch_args, (list, tuple)) or not all(
-        isinstance(a, str) for a in sbatch_args
+    if not isinstance(sbatch_args, (list, tuple)) or any(
+        not isinstance(a, str) for a in sbatch_args
     ):
         raise ConfigError("sbatch_args must be a list of strings, e.g. ['--qos=short'].")
-    scheduler = Slurm(
-        Topology(nnodes, nproc_per_node, None, None, rdzv_timeout, max_restarts),
-        {**os.environ, "PYTHONUNBUFFERED": "1", "DDPNB_LAUNCHED": "1"},
-        gpus_per_node=gpus_per_node,
-        partition=partition,
-        time=time,
-        account=account,
-        sbatch_args=list(sbatch_args),
-        python=python or sys.executable,
-    )
+    topology = Topology(nnodes, nproc_per_node, None, None, rdzv_timeout, max_restarts)
+    sbatch = {"partition": partition, "time": time, "account": account, "sbatch_args": sbatch_args}
+    sbatch |= {"gpus_per_node": gpus_per_node, "python": python or sys.executable}
+    scheduler = Slurm(topology, os.environ, **sbatch)
     options = {"progress": progress, "env": env, "resume": resume, "overwrite": overwrite}
     options |= {"hang_timeout": hang_timeout, "on_hang": on_hang}
     return run(what, Path(run_dir).resolve(), scheduler, wait=wait, **options)
@@ -550,23 +499,18 @@ def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto"
             f"{run_dir} holds no submitted Slurm job ({JOB_FILE} missing or unreadable). "
             "Submit one with ddpnb.submit_slurm()."
         )
-    env = dict(os.environ)
-    if record.get("slurm_conf") and "SLURM_CONF" not in env:
-        env["SLURM_CONF"] = record["slurm_conf"]  # the cluster it was submitted to
-    name = record.get("script", WORKER_NAME)  # its path in the run directory
+    old = {"rdzv_timeout": SLURM_RDZV_TIMEOUT, "max_restarts": 0, "script": WORKER_NAME, "args": ()}
+    old |= {"hang_timeout": HANG_TIMEOUT, "on_hang": "stop", "submitted_at": None}
+    r = old | record  # older records: these defaults
+    conf = {"SLURM_CONF": r["slurm_conf"]} if r.get("slurm_conf") else {}
+    env = {**conf, **os.environ}  # the cluster it was submitted to, unless SLURM_CONF names one
+    shape = (r["nnodes"], r["nproc_per_node"], None, None, r["rdzv_timeout"], r["max_restarts"])
+    topology, name = Topology(*shape), r["script"]  # its path in the run directory
     worker = name == WORKER_NAME and (run_dir / "config.json").exists()
     config = TrainConfig.load(run_dir / "config.json") if worker else None
-    topology = Topology(  # older records: the defaults
-        record["nnodes"], record["nproc_per_node"], None, None,
-        record.get("rdzv_timeout", SLURM_RDZV_TIMEOUT), record.get("max_restarts", 0),
-    )  # fmt: skip
-    script = Script(run_dir / name, record.get("args", ()), rename=name)
-    follow = {
-        "progress": check_progress(progress),
-        "hang_timeout": record.get("hang_timeout", HANG_TIMEOUT),
-        "on_hang": record.get("on_hang", "stop"),
-        "started_at": record.get("submitted_at"),
-    }
-    scheduler = Slurm(topology, env, run_dir, record["job_id"])
+    script = Script(run_dir / name, r["args"], rename=name)
+    follow = {"hang_timeout": r["hang_timeout"], "on_hang": r["on_hang"]}
+    follow |= {"progress": check_progress(progress), "started_at": r["submitted_at"]}
+    scheduler = Slurm(topology, env, run_dir, r["job_id"])
     job = Job(run_dir, script, config, topology, scheduler, **follow)
     return job.wait() if wait else job
