@@ -22,13 +22,17 @@ SECONDARY_ERRORS = (  # messages of ranks that failed only because a peer died f
 GRACE_SECONDS = 30  # seconds past its own limits before a silent run is called stuck
 
 
-def log_tail(run_dir: Path, node: int, lines: int = 20) -> str:
-    """The last ``lines`` lines of a node's log in ``run_dir/logs``."""
+def tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a text file ("" when it cannot be read)."""
     try:
-        text = (Path(run_dir) / "logs" / f"node-{node}.log").read_text(errors="replace")
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+
+
+def log_tail(run_dir: Path, node: int, lines: int = 20) -> str:
+    """The last ``lines`` lines of a node's log in ``run_dir/logs``."""
+    return tail(Path(run_dir) / "logs" / f"node-{node}.log", lines)
 
 
 def read_error_file(path: Path) -> dict | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from .cluster import FINGERPRINT_NOTE
 from .config import TrainConfig
-from .diagnosis import log_tail, resume_hint
+from .diagnosis import log_tail, resume_hint, tail
 from .errors import (
     ConfigError,
     LaunchError,
@@ -123,13 +123,6 @@ def _exit_code(info: Mapping[str, str]) -> int | None:
     """Slurm's ``ExitCode=1:0`` (exit status : signal) as the exit status."""
     m = re.match(r"(\d+):(\d+)", info.get("ExitCode", ""))
     return int(m.group(1)) if m else None
-
-
-def _read_tail(path: Path, lines: int) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 BATCH = """#!/bin/bash
@@ -352,12 +345,12 @@ class Slurm(Scheduler):
                 f"{self.run_dir} (the marker written at submission was missing there). The run "
                 "directory must be on a filesystem shared by this host and every node (e.g. "
                 "/home or /scratch on most clusters); choose such a run_dir.",
-                log_tail=_read_tail(log, 10),
+                log_tail=tail(log, 10),
             )
         if exit_code == NETWORK_EXIT:
             return NetworkError(
                 f"Slurm job {self.job_id} stopped before training: the network check of its "
-                f"first step failed. From the batch log ({log}):\n" + _read_tail(log, 30)
+                f"first step failed. From the batch log ({log}):\n" + tail(log, 30)
             )
         if state == "FAILED":
             if not any((self.run_dir / "logs").glob("node-*.log")):
@@ -373,7 +366,7 @@ class Slurm(Scheduler):
         return SlurmJobEnded(
             f"Slurm ended job {self.job_id} with state {state} (reason: {reason}) on "
             f"{'no node' if nodes in NO_VALUE else nodes}: {hint}.{resume_hint(self.run_dir)}",
-            log_tail=log_tail(self.run_dir, 0, 20) or _read_tail(log, 20),
+            log_tail=log_tail(self.run_dir, 0, 20) or tail(log, 20),
             **fields,
         )
 
