@@ -120,7 +120,6 @@ def test_a_clean_venv_is_set_up_from_the_wheelhouse_alone(room):
         "PIP_NO_INDEX": "1",
         "PIP_FIND_LINKS": str(room.wheelhouse),
         "PIP_CACHE_DIR": str(room.base / "pip-cache"),  # a laptop's empty cache
-        "PIP_NO_COMPILE": "1",  # no .pyc written ahead (torch's thousands): offline or not
     }
     cmd = ["make", "--no-print-directory", "-C", str(room.clone), f"VENV={venv}", "setup"]
     offline = _can_cut_the_network()
