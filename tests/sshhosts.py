@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -105,16 +106,29 @@ def default_route(hosts: SshHosts):
     """Every host's default route via the first network's bridge, for the block.
 
     Only for a block: with a default route, a host's DNS queries (torch's reverse lookups)
-    wait for their timeout instead of failing at once, as this machine does not forward.
+    would wait for their timeout instead of failing at once, as this machine does not
+    forward; so the resolvers of /etc/resolv.conf stay unreachable, as without the route.
     """
     gateway = hosts.addrs[0].rsplit(".", 1)[0] + ".1"
+    resolvers = re.findall(r"^\s*nameserver\s+([0-9.]+)\s*$", _resolv_conf(), re.MULTILINE)
     try:
         for ns in hosts.namespaces:
             _ip("-n", ns, "route", "add", "default", "via", gateway, "dev", IFNAME)
+            for addr in resolvers:
+                _ip("-n", ns, "route", "replace", "unreachable", f"{addr}/32")
         yield gateway
     finally:
         for ns in hosts.namespaces:
             subprocess.run(["ip", "-n", ns, "route", "del", "default"], capture_output=True)
+            for addr in resolvers:
+                subprocess.run(["ip", "-n", ns, "route", "del", f"{addr}/32"], capture_output=True)
+
+
+def _resolv_conf() -> str:
+    try:
+        return Path("/etc/resolv.conf").read_text()
+    except OSError:
+        return ""
 
 
 @contextlib.contextmanager

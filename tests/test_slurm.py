@@ -265,10 +265,16 @@ def test_interrupt_cancels_the_job_and_nothing_is_left(slurm, tiny_data, tmp_pat
 
 
 def test_the_time_limit_is_slurms_typed_error(slurm, tiny_data, tmp_path):
-    # Slurm counts limits in minutes and checks them every 30 s: about 90 s here.
     cfg = tiny_config(tiny_data, epochs=1000, **ONE_THREAD)
+    job = submit_slurm(cfg, tmp_path / "r", nnodes=1, time="1", wait=False, progress="none")
+    _wait_until(lambda: job.metrics.epochs, 120, "epoch 1")  # training, as at a real limit
+    shown = slurm.run(["scontrol", "show", "job", job.job_id]).stdout
+    assert "TimeLimit=00:01:00" in shown  # time="1": sbatch --time, in minutes
+    # Slurm counts limits in whole minutes and checks them every 30 s (60 to 90 s from the
+    # start): the job's end time brought forward to now ends it at the next check instead.
+    _scontrol("update", f"JobId={job.job_id}", "EndTime=now")
     with pytest.raises(SlurmJobEnded) as info:
-        submit_slurm(cfg, tmp_path / "r", nnodes=1, time="1", progress="none")
+        job.wait()
     err = info.value
     assert (err.state, err.reason) == ("TIMEOUT", "TimeLimit")
     assert "time limit" in str(err) and "resume=True" in str(err)

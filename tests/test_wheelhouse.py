@@ -110,7 +110,11 @@ def _can_cut_the_network() -> bool:
 
 def test_a_clean_venv_is_set_up_from_the_wheelhouse_alone(room):
     venv = room.base / "venv"
-    env = {k: v for k, v in os.environ.items() if k not in MAKE_VARS and not k.startswith("PIP_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (*MAKE_VARS, "PYTHONPATH") and not k.startswith("PIP_")  # only the venv's
+    }
     env |= {
         "PIP_CONFIG_FILE": os.devnull,  # no pip.conf at all: no index, constraints, find-links
         "PIP_NO_INDEX": "1",
