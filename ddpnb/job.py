@@ -30,8 +30,7 @@ TRACEBACK = "Traceback (most recent call last):"
 class Scheduler:
     """Where a run's nodes run; ``pipeline.run`` calls check, preflight, start; the Job the rest."""
 
-    nnodes: int
-    nproc_per_node: int
+    topology: Topology
     data_here = True
     hosts: list[str] | None = None  # per node, as the user named them (None: this machine)
     watch_stalls = True  # not while a cluster queues it
@@ -241,7 +240,7 @@ class Job:
         elif codes and all(rc == 0 for rc in codes.values()):
             return True
         elif self.scheduler.pending() is None:
-            self.error = self._watch_hang() or self._check_stalled()
+            self.error = self._watch_hang() or self._check_stalled(list(codes))
         return self.error is not None
 
     def _watch_hang(self) -> RunFailed | None:
@@ -278,15 +277,13 @@ class Job:
             global_rank=live[0].rank,
         )
 
-    def _check_stalled(self) -> RunFailed | None:
+    def _check_stalled(self, nodes: list[int]) -> RunFailed | None:
         # Not while a cluster queues the job, nor for a script that does not report (torchrun's
         # own timeouts apply).
         if not self.scheduler.watch_stalls or not (self.config or read_progress(self.run_dir)):
             return None
         timeout = self.config.timeout_seconds if self.config is not None else 300
-        return check_stalled(
-            self.run_dir, self._met(), list(self.returncodes), self.started_at, timeout
-        )
+        return check_stalled(self.run_dir, self._met(), nodes, self.started_at, timeout)
 
     def _met(self) -> Topology:
         """The topology with where the nodes met, once a cluster named it."""

@@ -14,6 +14,7 @@ from .local import Local
 from .pipeline import run
 from .plan import HANG_TIMEOUT
 from .script import Script
+from .topology import Topology
 
 
 def launch(
@@ -75,7 +76,7 @@ def launch(
     elif ssh_config is not None or ssh_options or python or remote_run_dir:
         raise ConfigError("ssh_config, ssh_options, python and remote_run_dir need hosts=[...].")
     else:
-        scheduler = Local(2 if nnodes is None else nnodes, *shape, local_nodes)
+        scheduler = Local(Topology(2 if nnodes is None else nnodes, *shape), local_nodes)
     options = {"progress": progress, "env": env, "resume": resume, "overwrite": overwrite}
     options |= {"hang_timeout": hang_timeout, "on_hang": on_hang}
     return run(what, run_dir, scheduler, wait=wait, **options)

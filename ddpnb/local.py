@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .agent import LIFELINE_ENV, loopback_bind_address
-from .config import check_int
 from .errors import ConfigError
 from .log import logger
 from .pipeline import AGENT, Processes
@@ -21,39 +20,28 @@ from .topology import Topology
 
 
 class Local(Processes):
-    """Simulated nodes: ``local_nodes`` (default all) of ``nnodes`` start here.
+    """Simulated nodes: ``local_nodes`` (default all) of ``topology``'s nodes start here.
 
     ``master_port`` None picks a free port; a given one must be free when node 0 runs here.
     """
 
-    def __init__(
-        self,
-        nnodes: int,
-        nproc_per_node: int,
-        master_addr: str | None,
-        master_port: int | None,
-        rdzv_timeout: int,
-        max_restarts: int,
-        local_nodes: Iterable[int] | None = None,
-    ) -> None:
+    def __init__(self, topology: Topology, local_nodes: Iterable[int] | None = None) -> None:
         super().__init__()
-        check_int("nnodes", nnodes)
+        nnodes = topology.nnodes
         self.nodes = sorted(set(range(nnodes) if local_nodes is None else local_nodes))
         for n in self.nodes:
             if not isinstance(n, int) or not 0 <= n < nnodes:
                 raise ConfigError(
                     f"node_rank {n!r} must be in 0..{nnodes - 1} (node_rank < nnodes)."
                 )
-        master_addr = master_addr or "127.0.0.1"
-        bind_host = loopback_bind_address(master_addr) if isinstance(master_addr, str) else None
-        if master_port is None:
-            master_port = free_port(bind_host or "")  # "": every interface
-        elif 0 in self.nodes and isinstance(master_port, int):
-            check_port_free(bind_host or "", master_port)
-        self.topology = Topology(
-            nnodes, nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts
-        )
-        self.nnodes, self.nproc_per_node = nnodes, nproc_per_node
+        addr = topology.master_addr or "127.0.0.1"
+        bind_host = loopback_bind_address(addr) or ""  # "": every interface
+        port = topology.master_port
+        if port is None:
+            port = free_port(bind_host)
+        elif 0 in self.nodes:
+            check_port_free(bind_host, port)
+        self.topology = dataclasses.replace(topology, master_addr=addr, master_port=port)
 
     def preflight(self, plan: Plan, run_dir: Path) -> Topology:
         return self.topology

@@ -21,8 +21,9 @@ from .errors import LaunchError
 from .hang import WATCH_DIR
 from .job import Job, Scheduler
 from .plan import Plan
-from .preflight import warn_if_cuda_initialised
+from .preflight import as_config, check_run, warn_if_cuda_initialised
 from .rundir import prepare_run_dir
+from .script import Script
 
 AGENT = Path(__file__).with_name("agent.py")
 STOP_GRACE_SECONDS = 4.0
@@ -31,9 +32,14 @@ STOP_GRACE_SECONDS = 4.0
 def run(
     what: Any, run_dir: str | os.PathLike, scheduler: Scheduler, *, wait: bool, **options
 ) -> Job:
-    """The one path of every launch, every check first; ``options``: :meth:`Plan.of`'s."""
-    world_size = scheduler.nnodes * scheduler.nproc_per_node
-    plan = Plan.of(what, world_size, scheduler.data_here, **options)
+    """The one path of every launch, every check first; ``options``: :class:`Plan`'s fields."""
+    config = None
+    if not isinstance(what, Script):  # ddpnb's worker: a TrainConfig or its dict
+        world_size = scheduler.topology.world_size
+        config = check_run(as_config(what), world_size, here=scheduler.data_here)
+    script = what if config is None else Script.worker(config)
+    script.check()
+    plan = Plan(script, config, script.payload(), **options)
     scheduler.check(plan)
     run_dir = prepare_run_dir(
         run_dir, plan.payload, plan.config, resume=plan.resume, overwrite=plan.overwrite
