@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import re
-import subprocess
 import time
 import weakref
 from contextlib import suppress
@@ -16,13 +15,12 @@ from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
 from .errors import RunFailed, RunHung, RunInterrupted
 from .hang import Stacks, Verdict, read_ranks, stacks, verdict
 from .metrics import load_metrics, read_progress
-from .plan import Plan
+from .plan import HANG_TIMEOUT, Plan
 from .progress import make_progress
 from .topology import Topology
 
 POLL_SECONDS = 0.2
 WATCH_SECONDS = 1.0  # how often the hang watch reads the ranks' snapshots
-HANG_DEFAULT = 60.0  # the quiet time a verdict needs when the watch has no limit of its own
 WORKER_LINE = re.compile(rb"^\[rank\d+\]", re.M)  # torchrun's prefix on a worker's output
 TRACEBACK = "Traceback (most recent call last):"
 
@@ -35,16 +33,13 @@ class Scheduler:
     hosts: list[str] | None = None  # per node, as the user named them (None: this machine)
     watch_stalls = True  # not while a cluster queues it
     outlives_launcher = False
-    procs: dict[int, subprocess.Popen] = {}
+    procs: dict = {}  # node: its subprocess.Popen here
     job_id: str | None = None
     master_addr: str | None = None
     master_port: int | None = None
     state: str | None = None
 
     # What every scheduler does:
-    def preflight(self, plan: Plan, run_dir: Path) -> Topology:  # check nodes; final topology
-        raise NotImplementedError
-
     def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:  # place, start
         raise NotImplementedError
 
@@ -62,6 +57,9 @@ class Scheduler:
     def sync(self) -> None: ...  # bring node 0's progress files here while the run goes on
     def sync_stacks(self, force: bool) -> None: ...  # ranks' stack snapshots; force: now or raise
     def fetch(self) -> None: ...  # bring every node's results and logs here once the run ended
+
+    def preflight(self, plan: Plan, run_dir: Path) -> Topology:  # check nodes; where they meet
+        return self.topology
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:  # add host, state
         return error
@@ -178,13 +176,11 @@ class Job:
         return {r.node: r.steps for r in reversed(self._ranks)}
 
     def stacks(self) -> Stacks:
-        """Where every rank is now: the user's line and what it waits in, torch's frames folded.
-
-        RunDirError when the run has ended or the watch is off (``hang_timeout=None``).
-        """
+        """Where every rank is now: the user's line and what it waits in, torch's frames folded
+        (RunDirError once the run has ended, or with the watch off: ``hang_timeout=None``)."""
         self.scheduler.sync()
         self.scheduler.sync_stacks(True)
-        return stacks(self.run_dir, self.hang_timeout or HANG_DEFAULT)
+        return stacks(self.run_dir, self.hang_timeout or HANG_TIMEOUT)
 
     def stop(self) -> None:
         """Stop every process of the run, wherever it runs."""
@@ -269,8 +265,8 @@ class Job:
         if found.kind != "hang" or self.on_hang != "stop" or worker_names_it:
             return None
         return RunHung(
-            f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' keeps it "
-            f"waiting).{resume_hint(self.run_dir)}",
+            f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' "
+            f"keeps it waiting).{resume_hint(self.run_dir)}",
             stacks=Stacks(self.run_dir, ranks, found),
             host=None if self.hosts is None else self.hosts[live[0].node],
             node_rank=live[0].node,

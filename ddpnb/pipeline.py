@@ -1,7 +1,5 @@
-"""The launch pipeline (check, prepare, start, follow) and the processes it owns.
-
-Each node is a ``torchrun`` agent; the lifeline, a pipe only this process can write, stops
-them when this process ends, however it ends."""
+"""The launch pipeline (check, prepare, start, follow) and the processes it owns: ``torchrun``
+agents, which the lifeline (a pipe only this process writes) stops however this process ends."""
 
 from __future__ import annotations
 
@@ -33,13 +31,12 @@ def run(
     what: Any, run_dir: str | os.PathLike, scheduler: Scheduler, *, wait: bool, **options
 ) -> Job:
     """The one path of every launch, every check first; ``options``: :class:`Plan`'s fields."""
-    config = None
+    script, config = what, None
     if not isinstance(what, Script):  # ddpnb's worker: a TrainConfig or its dict
-        world_size = scheduler.topology.world_size
-        config = check_run(as_config(what), world_size, here=scheduler.data_here)
-    script = what if config is None else Script.worker(config)
+        config = check_run(as_config(what), scheduler.topology.world_size, here=scheduler.data_here)
+        script = Script.worker(config)
     script.check()
-    plan = Plan(script, config, script.payload(), **options)
+    plan = Plan(script, config, **options)
     scheduler.check(plan)
     run_dir = prepare_run_dir(
         run_dir, plan.payload, plan.config, resume=plan.resume, overwrite=plan.overwrite

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Mapping
 
@@ -25,13 +24,14 @@ class Plan:
 
     script: Script
     config: TrainConfig | None
-    payload: Mapping[str, bytes]
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     progress: str = "auto"
     resume: bool = False
     overwrite: bool = False
     hang_timeout: float | None = HANG_TIMEOUT
     on_hang: str = "stop"
+    payload: Mapping[str, bytes] = dataclasses.field(init=False)  # the script's files
+    files: dict[str, bytes] = dataclasses.field(init=False)  # and ddpnb's hooks: every node's
 
     def __post_init__(self) -> None:
         env = self.env
@@ -57,11 +57,8 @@ class Plan:
             )
         self.hang_timeout = None if limit is None else float(limit)
         check_progress(self.progress)
-
-    @functools.cached_property
-    def files(self) -> dict[str, bytes]:
-        """Each node's run directory's files: the script's, and ddpnb's hooks."""
-        return {**self.payload, **hooks_payload()}
+        self.payload = self.script.payload()
+        self.files = {**self.payload, **hooks_payload()}
 
     @property
     def follow(self) -> dict:
@@ -83,8 +80,7 @@ class Plan:
         pythonpath: str | None = None,
     ) -> dict:
         """The run's variables for one node's agent (not this process's environment)."""
-        cfg = self.config
-        threads = (cfg.threads if cfg else 0) or threads_for_host(procs_on_host, cores)
+        threads = (self.config and self.config.threads) or threads_for_host(procs_on_host, cores)
         return {
             RUN_DIR_ENV: node_dir,
             "DDPNB_PROCS_ON_HOST": str(procs_on_host),

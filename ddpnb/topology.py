@@ -12,10 +12,8 @@ from .errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """``nnodes`` x ``nproc_per_node`` processes meeting at ``master_addr:master_port``.
-
-    Both are None for a Slurm job: they are the job's, once it runs.
-    """
+    """``nnodes`` x ``nproc_per_node`` processes meeting at ``master_addr:master_port`` (both None
+    for a Slurm job: they are the job's, once it runs)."""
 
     nnodes: int
     nproc_per_node: int
