@@ -138,19 +138,17 @@ class Job:
         since = self.scheduler.since() or self.started_at
         joined = read_progress(self.run_dir).get("time", 0) >= since - 1
         codes = self.returncodes
+        hung = self.waiting is not None and self.waiting.kind == "hang"
+        ended = "stopped" if isinstance(self.error, KeyboardInterrupt) else "failed"
         out = {}
         for n in range(self.nnodes):
-            rc = codes.get(n, "external")
-            if rc == "external":
+            if n not in codes:  # started elsewhere (local_nodes): seen in the progress file only
                 out[n] = "running" if joined else "external"
-            elif rc is None and self.waiting is not None and self.waiting.kind == "hang":
-                out[n] = "hung"
-            elif rc is None:
-                out[n] = "running" if joined or self._worker_output(n) else "starting"
-            elif rc == 0:
-                out[n] = "done"
+            elif codes[n] is not None:
+                out[n] = "done" if codes[n] == 0 else ended
             else:
-                out[n] = "stopped" if isinstance(self.error, KeyboardInterrupt) else "failed"
+                started = joined or self._worker_output(n)
+                out[n] = "hung" if hung else "running" if started else "starting"
         return out
 
     def _worker_output(self, node: int) -> bool:
@@ -281,10 +279,9 @@ class Job:
         timeout = self.config.timeout_seconds if self.config is not None else 300
         return check_stalled(self.run_dir, self._met(), nodes, self.started_at, timeout)
 
-    def _met(self) -> Topology:
-        """The topology with where the nodes met, once a cluster named it."""
-        met = {"master_addr": self.master_addr or "its first node", "master_port": self.master_port}
-        return dataclasses.replace(self.topology, **met)
+    def _met(self) -> Topology:  # the topology with where the nodes met, once a cluster named it
+        addr = self.master_addr or "its first node"
+        return dataclasses.replace(self.topology, master_addr=addr, master_port=self.master_port)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "finished"

@@ -102,12 +102,11 @@ class Local(Processes):
 
     def __init__(self, topology: Topology, local_nodes: Iterable[int] | None = None) -> None:
         super().__init__()
-        nnodes = topology.nnodes
-        self.nodes = sorted(set(range(nnodes) if local_nodes is None else local_nodes))
+        self.nodes = sorted(set(range(topology.nnodes) if local_nodes is None else local_nodes))
         for n in self.nodes:
-            if not isinstance(n, int) or not 0 <= n < nnodes:
+            if not isinstance(n, int) or not 0 <= n < topology.nnodes:
                 raise ConfigError(
-                    f"node_rank {n!r} must be in 0..{nnodes - 1} (node_rank < nnodes)."
+                    f"node_rank {n!r} must be in 0..{topology.nnodes - 1} (node_rank < nnodes)."
                 )
         addr = topology.master_addr or "127.0.0.1"
         bind_host = loopback_bind_address(addr) or ""  # "": every interface

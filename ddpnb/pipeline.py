@@ -95,9 +95,8 @@ class Processes(Scheduler):
         _lifelines.add(self.lifeline)
         try:
             for node, (cmd, shown, popen) in commands(lifeline_read).items():
-                with open(run_dir / "logs" / f"node-{node}.log", "ab") as out:
+                with open(run_dir / "logs" / f"node-{node}.log", "ab", buffering=0) as out:
                     out.write(f"$ {shown}\n".encode())
-                    out.flush()
                     self.procs[node] = subprocess.Popen(
                         cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen
                     )

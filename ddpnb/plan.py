@@ -73,17 +73,13 @@ class Plan:
         return {**env, **user}
 
     def node_env(
-        self,
-        node_dir: str,
-        procs_on_host: int,
-        cores: int | None = None,
-        pythonpath: str | None = None,
+        self, node_dir: str, procs: int, cores: int | None = None, pythonpath: str | None = None
     ) -> dict:
-        """The run's variables for one node's agent (not this process's environment)."""
-        threads = (self.config and self.config.threads) or threads_for_host(procs_on_host, cores)
+        """The run's variables for one node's agent (``procs``: the run's on that host)."""
+        threads = (self.config and self.config.threads) or threads_for_host(procs, cores)
         return {
             RUN_DIR_ENV: node_dir,
-            "DDPNB_PROCS_ON_HOST": str(procs_on_host),
+            "DDPNB_PROCS_ON_HOST": str(procs),
             "PYTHONUNBUFFERED": "1",
             "DDPNB_LAUNCHED": "1",
             "OMP_NUM_THREADS": str(threads),
