@@ -195,8 +195,7 @@ class Job:
         """Follow the run to its end, showing progress; return self.
 
         Raises :class:`WorkerFailed` or :class:`RendezvousTimeout` on failure; stops every
-        process on KeyboardInterrupt. ``timeout`` (seconds) raises TimeoutError, the run going on.
-        """
+        process on KeyboardInterrupt. ``timeout`` (seconds): TimeoutError, the run going on."""
         display = make_progress(self.progress, self)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -227,14 +226,12 @@ class Job:
         if failed := {n: rc for n, rc in codes.items() if rc not in (None, 0)}:
             time.sleep(0.5)  # give the other agents a moment to write their error files
             self.scheduler.fetch()
-            error = diagnose_failure(
-                self.run_dir, self._met(), list(codes), failed, self.started_at
-            )
+            error = diagnose_failure(self.run_dir, self._met(), [*codes], failed, self.started_at)
             self.error = self.scheduler.explain(error, failed)
         elif codes and all(rc == 0 for rc in codes.values()):
             return True
         elif self.scheduler.pending() is None:
-            self.error = self._watch_hang() or self._check_stalled(list(codes))
+            self.error = self._watch_hang() or self._check_stalled([*codes])
         return self.error is not None
 
     def _watch_hang(self) -> RunFailed | None:
@@ -272,8 +269,7 @@ class Job:
         )
 
     def _check_stalled(self, nodes: list[int]) -> RunFailed | None:
-        # Not while a cluster queues the job, nor for a script that does not report (torchrun's
-        # own timeouts apply).
+        # Not while queued, nor for a script that does not report (torchrun's timeouts apply).
         if not self.scheduler.watch_stalls or not (self.config or read_progress(self.run_dir)):
             return None
         timeout = self.config.timeout_seconds if self.config is not None else 300

@@ -110,10 +110,8 @@ class Local(Processes):
                 )
         addr = topology.master_addr or "127.0.0.1"
         bind_host = loopback_bind_address(addr) or ""  # "": every interface
-        port = topology.master_port
-        if port is None:
-            port = free_port(bind_host)
-        elif 0 in self.nodes:
+        port = topology.master_port or free_port(bind_host)
+        if topology.master_port and 0 in self.nodes:  # a given port
             check_port_free(bind_host, port)
         self.topology = dataclasses.replace(topology, master_addr=addr, master_port=port)
 

@@ -32,9 +32,7 @@ class Topology:
         if addr is not None and not (isinstance(addr, str) and addr):
             raise ConfigError(f"master_addr must be a host name or address, got {addr!r}.")
 
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
+    world_size = property(lambda self: self.nnodes * self.nproc_per_node)
 
     def command(
         self,
@@ -53,8 +51,7 @@ class Topology:
 
         ``c10d``: an elastic rendezvous named ``rdzv_id``, node 0 hosting the store; ``node_rank``
         None and ``log_dir`` "" leave those and ``local_addr`` to the sbatch script's ``PET_*``
-        variables. ``endpoint``: ``host:port``, possibly shell variables.
-        """
+        variables. ``endpoint``: ``host:port``, possibly shell variables."""
         endpoint = endpoint or f"{self.master_addr}:{self.master_port}"
         restarts = self.max_restarts
         args = [*launcher, f"--nnodes={self.nnodes}"]
