@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import re
-import subprocess
 import time
 import weakref
 from contextlib import suppress
@@ -16,13 +15,12 @@ from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
 from .errors import RunFailed, RunHung, RunInterrupted
 from .hang import Stacks, Verdict, read_ranks, stacks, verdict
 from .metrics import load_metrics, read_progress
-from .plan import Plan
+from .plan import HANG_TIMEOUT, Plan
 from .progress import make_progress
 from .topology import Topology
 
 POLL_SECONDS = 0.2
 WATCH_SECONDS = 1.0  # how often the hang watch reads the ranks' snapshots
-HANG_DEFAULT = 60.0  # the quiet time a verdict needs when the watch has no limit of its own
 WORKER_LINE = re.compile(rb"^\[rank\d+\]", re.M)  # torchrun's prefix on a worker's output
 TRACEBACK = "Traceback (most recent call last):"
 
@@ -30,22 +28,18 @@ TRACEBACK = "Traceback (most recent call last):"
 class Scheduler:
     """Where a run's nodes run; ``pipeline.run`` calls check, preflight, start; the Job the rest."""
 
-    nnodes: int
-    nproc_per_node: int
+    topology: Topology
     data_here = True
     hosts: list[str] | None = None  # per node, as the user named them (None: this machine)
     watch_stalls = True  # not while a cluster queues it
     outlives_launcher = False
-    procs: dict[int, subprocess.Popen] = {}
+    procs: dict = {}  # node: its subprocess.Popen here
     job_id: str | None = None
     master_addr: str | None = None
     master_port: int | None = None
     state: str | None = None
 
     # What every scheduler does:
-    def preflight(self, plan: Plan, run_dir: Path) -> Topology:  # check nodes; final topology
-        raise NotImplementedError
-
     def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:  # place, start
         raise NotImplementedError
 
@@ -63,6 +57,9 @@ class Scheduler:
     def sync(self) -> None: ...  # bring node 0's progress files here while the run goes on
     def sync_stacks(self, force: bool) -> None: ...  # ranks' stack snapshots; force: now or raise
     def fetch(self) -> None: ...  # bring every node's results and logs here once the run ended
+
+    def preflight(self, plan: Plan, run_dir: Path) -> Topology:  # check nodes; where they meet
+        return self.topology
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:  # add host, state
         return error
@@ -141,19 +138,17 @@ class Job:
         since = self.scheduler.since() or self.started_at
         joined = read_progress(self.run_dir).get("time", 0) >= since - 1
         codes = self.returncodes
+        hung = self.waiting is not None and self.waiting.kind == "hang"
+        ended = "stopped" if isinstance(self.error, KeyboardInterrupt) else "failed"
         out = {}
         for n in range(self.nnodes):
-            rc = codes.get(n, "external")
-            if rc == "external":
+            if n not in codes:  # started elsewhere (local_nodes): seen in the progress file only
                 out[n] = "running" if joined else "external"
-            elif rc is None and self.waiting is not None and self.waiting.kind == "hang":
-                out[n] = "hung"
-            elif rc is None:
-                out[n] = "running" if joined or self._worker_output(n) else "starting"
-            elif rc == 0:
-                out[n] = "done"
+            elif codes[n] is not None:
+                out[n] = "done" if codes[n] == 0 else ended
             else:
-                out[n] = "stopped" if isinstance(self.error, KeyboardInterrupt) else "failed"
+                started = joined or self._worker_output(n)
+                out[n] = "hung" if hung else "running" if started else "starting"
         return out
 
     def _worker_output(self, node: int) -> bool:
@@ -179,13 +174,11 @@ class Job:
         return {r.node: r.steps for r in reversed(self._ranks)}
 
     def stacks(self) -> Stacks:
-        """Where every rank is now: the user's line and what it waits in, torch's frames folded.
-
-        RunDirError when the run has ended or the watch is off (``hang_timeout=None``).
-        """
+        """Where every rank is now: the user's line and what it waits in, torch's frames folded
+        (RunDirError once the run has ended, or with the watch off: ``hang_timeout=None``)."""
         self.scheduler.sync()
         self.scheduler.sync_stacks(True)
-        return stacks(self.run_dir, self.hang_timeout or HANG_DEFAULT)
+        return stacks(self.run_dir, self.hang_timeout or HANG_TIMEOUT)
 
     def stop(self) -> None:
         """Stop every process of the run, wherever it runs."""
@@ -202,8 +195,7 @@ class Job:
         """Follow the run to its end, showing progress; return self.
 
         Raises :class:`WorkerFailed` or :class:`RendezvousTimeout` on failure; stops every
-        process on KeyboardInterrupt. ``timeout`` (seconds) raises TimeoutError, the run going on.
-        """
+        process on KeyboardInterrupt. ``timeout`` (seconds): TimeoutError, the run going on."""
         display = make_progress(self.progress, self)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -234,14 +226,12 @@ class Job:
         if failed := {n: rc for n, rc in codes.items() if rc not in (None, 0)}:
             time.sleep(0.5)  # give the other agents a moment to write their error files
             self.scheduler.fetch()
-            error = diagnose_failure(
-                self.run_dir, self._met(), list(codes), failed, self.started_at
-            )
+            error = diagnose_failure(self.run_dir, self._met(), [*codes], failed, self.started_at)
             self.error = self.scheduler.explain(error, failed)
         elif codes and all(rc == 0 for rc in codes.values()):
             return True
         elif self.scheduler.pending() is None:
-            self.error = self._watch_hang() or self._check_stalled()
+            self.error = self._watch_hang() or self._check_stalled([*codes])
         return self.error is not None
 
     def _watch_hang(self) -> RunFailed | None:
@@ -270,28 +260,24 @@ class Job:
         if found.kind != "hang" or self.on_hang != "stop" or worker_names_it:
             return None
         return RunHung(
-            f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' keeps it "
-            f"waiting).{resume_hint(self.run_dir)}",
+            f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' "
+            f"keeps it waiting).{resume_hint(self.run_dir)}",
             stacks=Stacks(self.run_dir, ranks, found),
             host=None if self.hosts is None else self.hosts[live[0].node],
             node_rank=live[0].node,
             global_rank=live[0].rank,
         )
 
-    def _check_stalled(self) -> RunFailed | None:
-        # Not while a cluster queues the job, nor for a script that does not report (torchrun's
-        # own timeouts apply).
+    def _check_stalled(self, nodes: list[int]) -> RunFailed | None:
+        # Not while queued, nor for a script that does not report (torchrun's timeouts apply).
         if not self.scheduler.watch_stalls or not (self.config or read_progress(self.run_dir)):
             return None
         timeout = self.config.timeout_seconds if self.config is not None else 300
-        return check_stalled(
-            self.run_dir, self._met(), list(self.returncodes), self.started_at, timeout
-        )
+        return check_stalled(self.run_dir, self._met(), nodes, self.started_at, timeout)
 
-    def _met(self) -> Topology:
-        """The topology with where the nodes met, once a cluster named it."""
-        met = {"master_addr": self.master_addr or "its first node", "master_port": self.master_port}
-        return dataclasses.replace(self.topology, **met)
+    def _met(self) -> Topology:  # the topology with where the nodes met, once a cluster named it
+        addr = self.master_addr or "its first node"
+        return dataclasses.replace(self.topology, master_addr=addr, master_port=self.master_port)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "finished"

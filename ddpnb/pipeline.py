@@ -1,7 +1,5 @@
-"""The launch pipeline (check, prepare, start, follow) and the processes it owns.
-
-Each node is a ``torchrun`` agent; the lifeline, a pipe only this process can write, stops
-them when this process ends, however it ends."""
+"""The launch pipeline (check, prepare, start, follow) and the processes it owns: ``torchrun``
+agents, which the lifeline (a pipe only this process writes) stops however this process ends."""
 
 from __future__ import annotations
 
@@ -21,8 +19,9 @@ from .errors import LaunchError
 from .hang import WATCH_DIR
 from .job import Job, Scheduler
 from .plan import Plan
-from .preflight import warn_if_cuda_initialised
+from .preflight import as_config, check_run, warn_if_cuda_initialised
 from .rundir import prepare_run_dir
+from .script import Script
 
 AGENT = Path(__file__).with_name("agent.py")
 STOP_GRACE_SECONDS = 4.0
@@ -31,9 +30,13 @@ STOP_GRACE_SECONDS = 4.0
 def run(
     what: Any, run_dir: str | os.PathLike, scheduler: Scheduler, *, wait: bool, **options
 ) -> Job:
-    """The one path of every launch, every check first; ``options``: :meth:`Plan.of`'s."""
-    world_size = scheduler.nnodes * scheduler.nproc_per_node
-    plan = Plan.of(what, world_size, scheduler.data_here, **options)
+    """The one path of every launch, every check first; ``options``: :class:`Plan`'s fields."""
+    script, config = what, None
+    if not isinstance(what, Script):  # ddpnb's worker: a TrainConfig or its dict
+        config = check_run(as_config(what), scheduler.topology.world_size, here=scheduler.data_here)
+        script = Script.worker(config)
+    script.check()
+    plan = Plan(script, config, **options)
     scheduler.check(plan)
     run_dir = prepare_run_dir(
         run_dir, plan.payload, plan.config, resume=plan.resume, overwrite=plan.overwrite
@@ -92,9 +95,8 @@ class Processes(Scheduler):
         _lifelines.add(self.lifeline)
         try:
             for node, (cmd, shown, popen) in commands(lifeline_read).items():
-                with open(run_dir / "logs" / f"node-{node}.log", "ab") as out:
+                with open(run_dir / "logs" / f"node-{node}.log", "ab", buffering=0) as out:
                     out.write(f"$ {shown}\n".encode())
-                    out.flush()
                     self.procs[node] = subprocess.Popen(
                         cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen
                     )

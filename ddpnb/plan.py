@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Mapping
-from typing import Any
 
 from .config import TrainConfig
 from .constants import threads_for_host
 from .errors import ConfigError
 from .hang import hooks_payload, watch_env
-from .preflight import as_config, check_progress, check_run
+from .preflight import check_progress
 from .reporting import FAULT_ENV, RUN_DIR_ENV, parse_fault
 from .script import Script
 
@@ -20,70 +18,50 @@ HANG_TIMEOUT = 60.0  # seconds without progress, waiting in a collective
 WATCH_INTERVAL = 2.0  # seconds between a worker's snapshots of its stack
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Plan:
-    """One run, checked, built once by :meth:`of` (``config``: None for your own script)."""
+    """One run, checked once built (``config``: the worker's, None for your own script)."""
 
     script: Script
     config: TrainConfig | None
-    payload: Mapping[str, bytes]
-    env: Mapping[str, str]
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     progress: str = "auto"
     resume: bool = False
     overwrite: bool = False
     hang_timeout: float | None = HANG_TIMEOUT
     on_hang: str = "stop"
+    payload: Mapping[str, bytes] = dataclasses.field(init=False)  # the script's files
+    files: dict[str, bytes] = dataclasses.field(init=False)  # and ddpnb's hooks: every node's
 
-    @classmethod
-    def of(
-        cls,
-        what: Script | TrainConfig | Mapping[str, Any],
-        world_size: int,
-        data_here: bool,
-        *,
-        env: Mapping[str, str] | None = None,
-        progress: str = "auto",
-        hang_timeout: float | None = HANG_TIMEOUT,
-        on_hang: str = "stop",
-        **rundir: bool,
-    ) -> Plan:
-        """Check everything about ``what`` that needs no node (ConfigError names the fix)."""
-        config = None
-        if not isinstance(what, Script):
-            config = check_run(as_config(what), world_size, here=data_here)
-        script = what if config is None else Script.worker(config)
-        script.check()
+    def __post_init__(self) -> None:
+        env = self.env
         texts = isinstance(env, Mapping) and all(isinstance(s, str) for s in (*env, *env.values()))
         if env is not None and not texts:
             raise ConfigError("env must be a dict of strings, e.g. {'NCCL_DEBUG': 'INFO'}.")
-        env = dict(env or {})
+        self.env = dict(env or {})
         try:  # the fault drill (notebook 04): read by every rank's first report.step
-            parse_fault(env.get(FAULT_ENV, ""))
+            parse_fault(self.env.get(FAULT_ENV, ""))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if on_hang not in ("stop", "wait"):
+        if self.on_hang not in ("stop", "wait"):
             raise ConfigError(
                 f"on_hang must be 'stop' (end the run with RunHung, naming every rank's line) or "
-                f"'wait' (show the hang and keep waiting until you stop it), got {on_hang!r}."
+                f"'wait' (show the hang and keep waiting until you stop it), got {self.on_hang!r}."
             )
-        number = isinstance(hang_timeout, (int, float)) and not isinstance(hang_timeout, bool)
-        if hang_timeout is not None and not (number and hang_timeout > 0):
+        limit = self.hang_timeout
+        number = isinstance(limit, (int, float)) and not isinstance(limit, bool)
+        if limit is not None and not (number and limit > 0):
             raise ConfigError(
                 f"hang_timeout must be a number of seconds > 0 (default {HANG_TIMEOUT:g}), or None "
-                f"to turn the hang watch off, got {hang_timeout!r}."
+                f"to turn the hang watch off, got {limit!r}."
             )
-        return cls(
-            script, config, script.payload(), env, check_progress(progress), on_hang=on_hang,
-            hang_timeout=None if hang_timeout is None else float(hang_timeout), **rundir,
-        )  # fmt: skip
-
-    @functools.cached_property
-    def files(self) -> dict[str, bytes]:
-        """Each node's run directory's files: the script's, and ddpnb's hooks."""
-        return {**self.payload, **hooks_payload()}
+        self.hang_timeout = None if limit is None else float(limit)
+        check_progress(self.progress)
+        self.payload = self.script.payload()
+        self.files = {**self.payload, **hooks_payload()}
 
     @property
-    def follow(self) -> dict[str, Any]:
+    def follow(self) -> dict:
         return dict(progress=self.progress, hang_timeout=self.hang_timeout, on_hang=self.on_hang)
 
     def user_env(self, node_dir: str, pythonpath: str | None = None) -> dict[str, str]:
@@ -95,18 +73,13 @@ class Plan:
         return {**env, **user}
 
     def node_env(
-        self,
-        node_dir: str,
-        procs_on_host: int,
-        cores: int | None = None,
-        pythonpath: str | None = None,
+        self, node_dir: str, procs: int, cores: int | None = None, pythonpath: str | None = None
     ) -> dict:
-        """The run's variables for one node's agent (not this process's environment)."""
-        cfg = self.config
-        threads = (cfg.threads if cfg else 0) or threads_for_host(procs_on_host, cores)
+        """The run's variables for one node's agent (``procs``: the run's on that host)."""
+        threads = (self.config and self.config.threads) or threads_for_host(procs, cores)
         return {
             RUN_DIR_ENV: node_dir,
-            "DDPNB_PROCS_ON_HOST": str(procs_on_host),
+            "DDPNB_PROCS_ON_HOST": str(procs),
             "PYTHONUNBUFFERED": "1",
             "DDPNB_LAUNCHED": "1",
             "OMP_NUM_THREADS": str(threads),

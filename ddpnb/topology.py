@@ -12,10 +12,8 @@ from .errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """``nnodes`` x ``nproc_per_node`` processes meeting at ``master_addr:master_port``.
-
-    Both are None for a Slurm job: they are the job's, once it runs.
-    """
+    """``nnodes`` x ``nproc_per_node`` processes meeting at ``master_addr:master_port`` (both None
+    for a Slurm job: they are the job's, once it runs)."""
 
     nnodes: int
     nproc_per_node: int
@@ -25,12 +23,16 @@ class Topology:
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
-        check_shape(self.nnodes, self.nproc_per_node, self.rdzv_timeout, self.max_restarts)
-        check_meeting_point(self.master_addr, self.master_port)
+        for name in ("nnodes", "nproc_per_node", "rdzv_timeout"):
+            check_int(name, getattr(self, name))
+        check_int("max_restarts", self.max_restarts, low=0)
+        if self.master_port is not None:
+            check_int("master_port", self.master_port, low=1, high=65535)
+        addr = self.master_addr
+        if addr is not None and not (isinstance(addr, str) and addr):
+            raise ConfigError(f"master_addr must be a host name or address, got {addr!r}.")
 
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
+    world_size = property(lambda self: self.nnodes * self.nproc_per_node)
 
     def command(
         self,
@@ -49,8 +51,7 @@ class Topology:
 
         ``c10d``: an elastic rendezvous named ``rdzv_id``, node 0 hosting the store; ``node_rank``
         None and ``log_dir`` "" leave those and ``local_addr`` to the sbatch script's ``PET_*``
-        variables. ``endpoint``: ``host:port``, possibly shell variables.
-        """
+        variables. ``endpoint``: ``host:port``, possibly shell variables."""
         endpoint = endpoint or f"{self.master_addr}:{self.master_port}"
         restarts = self.max_restarts
         args = [*launcher, f"--nnodes={self.nnodes}"]
@@ -73,18 +74,3 @@ class Topology:
             args += [f"--log_dir={log_dir}"] if log_dir else []
             args += ["--tee=3", "--log_line_prefix_template=[rank${rank}] "]
         return [*args, *script.command(run_dir)]
-
-
-def check_shape(nnodes: int, nproc_per_node: int, rdzv_timeout: int, max_restarts: int) -> None:
-    check_int("nnodes", nnodes)
-    check_int("nproc_per_node", nproc_per_node)
-    check_int("rdzv_timeout", rdzv_timeout)
-    check_int("max_restarts", max_restarts, low=0)
-
-
-def check_meeting_point(master_addr: str | None, master_port: int | None) -> None:
-    """None for either: not known yet (the preflight or the cluster names it)."""
-    if master_port is not None:
-        check_int("master_port", master_port, low=1, high=65535)
-    if master_addr is not None and not (isinstance(master_addr, str) and master_addr):
-        raise ConfigError(f"master_addr must be a host name or address, got {master_addr!r}.")
