@@ -16,7 +16,6 @@ from .agent import LIFELINE_ENV, loopback_bind_address
 from .config import TrainConfig
 from .errors import ConfigError
 from .job import Job, Scheduler
-from .log import logger
 from .pipeline import AGENT, Processes, run
 from .plan import HANG_TIMEOUT, Plan
 from .preflight import check_port_free, free_port
@@ -71,6 +70,7 @@ def launch(
     shape = (nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts)
     if hosts is not None:
         from .remote import Hosts
+        from .ssh import Ssh, parse_hosts
 
         if nnodes is not None and nnodes != len(hosts):
             raise ConfigError(
@@ -79,7 +79,9 @@ def launch(
             )
         if local_nodes is not None:
             raise ConfigError("local_nodes applies to simulated nodes; with hosts every host runs.")
-        scheduler: Scheduler = Hosts(hosts, *shape, ssh_config, ssh_options, python, remote_run_dir)
+        parsed, ssh = parse_hosts(hosts), Ssh(ssh_config, ssh_options)
+        topology = Topology(len(parsed), *shape)
+        scheduler: Scheduler = Hosts(parsed, topology, ssh, python, remote_run_dir)
     elif ssh_config is not None or ssh_options or python or remote_run_dir:
         raise ConfigError("ssh_config, ssh_options, python and remote_run_dir need hosts=[...].")
     else:
@@ -116,11 +118,6 @@ class Local(Processes):
         self.topology = dataclasses.replace(topology, master_addr=addr, master_port=port)
 
     def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:
-        logger.info(
-            "launching %d node(s) x %d process(es); node 0 is the master and hosts the "
-            "rendezvous at %s:%d",
-            *dataclasses.astuple(topology)[:4],  # nnodes, nproc_per_node, master_addr, _port
-        )
         procs_here = len(self.nodes) * topology.nproc_per_node
         node_env = plan.node_env(str(run_dir), procs_here, pythonpath=os.environ.get("PYTHONPATH"))
         agent = [sys.executable, str(AGENT)]  # torchrun, its store bound to loopback

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 
@@ -18,9 +19,9 @@ HANG_TIMEOUT = 60.0  # seconds without progress, waiting in a collective
 WATCH_INTERVAL = 2.0  # seconds between a worker's snapshots of its stack
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Plan:
-    """One run, checked once built (``config``: the worker's, None for your own script)."""
+    """One run, checked once built, then never changed (``config``: None for your own script)."""
 
     script: Script
     config: TrainConfig | None
@@ -33,12 +34,13 @@ class Plan:
     payload: Mapping[str, bytes] = dataclasses.field(init=False)  # the script's files
     files: dict[str, bytes] = dataclasses.field(init=False)  # and ddpnb's hooks: every node's
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # its normalised values set here, once
+        put = functools.partial(object.__setattr__, self)
         env = self.env
         texts = isinstance(env, Mapping) and all(isinstance(s, str) for s in (*env, *env.values()))
         if env is not None and not texts:
             raise ConfigError("env must be a dict of strings, e.g. {'NCCL_DEBUG': 'INFO'}.")
-        self.env = dict(env or {})
+        put("env", dict(env or {}))
         try:  # the fault drill (notebook 04): read by every rank's first report.step
             parse_fault(self.env.get(FAULT_ENV, ""))
         except ValueError as e:
@@ -55,10 +57,10 @@ class Plan:
                 f"hang_timeout must be a number of seconds > 0 (default {HANG_TIMEOUT:g}), or None "
                 f"to turn the hang watch off, got {limit!r}."
             )
-        self.hang_timeout = None if limit is None else float(limit)
+        put("hang_timeout", None if limit is None else float(limit))
         check_progress(self.progress)
-        self.payload = self.script.payload()
-        self.files = {**self.payload, **hooks_payload()}
+        put("payload", self.script.payload())
+        put("files", {**self.payload, **hooks_payload()})
 
     @property
     def follow(self) -> dict:

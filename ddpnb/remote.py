@@ -27,7 +27,7 @@ from .pipeline import AGENT, Processes
 from .preflight import as_config, check_run
 from .rundir import PRODUCTS
 from .script import Script
-from .ssh import SSH_FAILED, Ssh, pack, parse_hosts, remote_line, unpack
+from .ssh import SSH_FAILED, Host, Ssh, pack, parse_hosts, remote_line, unpack
 from .tables import Table
 from .topology import Topology
 
@@ -50,31 +50,22 @@ class Hosts(Processes):
 
     def __init__(
         self,
-        hosts: Sequence[str],
-        nproc_per_node: int,
-        master_addr: str | None,
-        master_port: int | None,
-        rdzv_timeout: int,
-        max_restarts: int,
-        ssh_config: str | os.PathLike | None,
-        ssh_options: Sequence[str],
+        hosts: list[Host],
+        topology: Topology,
+        ssh: Ssh,
         python: str | None,
         remote_run_dir: str | None = None,
     ) -> None:
         super().__init__()
-        self.parsed = parse_hosts(hosts)
-        self.nnodes, self.nproc_per_node = len(self.parsed), nproc_per_node
-        self.topology = Topology(  # node 0's address and port: preflight's
-            self.nnodes, nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts
-        )
-        self.ssh = Ssh(ssh_config, ssh_options)
+        self.parsed, self.topology, self.ssh = hosts, topology, ssh  # node 0's address: preflight's
+        self.nnodes, self.nproc_per_node = topology.nnodes, topology.nproc_per_node
         self.python = python or sys.executable
         if remote_run_dir is not None and not str(remote_run_dir).startswith("/"):
             raise ConfigError(
                 f"remote_run_dir must be an absolute path on the hosts, got {remote_run_dir!r}."
             )
         self.remote_run_dir = remote_run_dir
-        self.hosts = [h.spec for h in self.parsed]
+        self.hosts = [h.spec for h in hosts]
         self._synced = self._stacks_synced = 0.0
 
     def preflight(self, plan, run_dir: Path) -> Topology:
@@ -165,12 +156,6 @@ class Hosts(Processes):
             (self.hosts[n], f"({self.dirs[n]}) {why}") for n, (_, why) in zip(todo, copied) if why
         ]
         _refuse("Could not copy the files to the hosts; nothing was started", failed)
-        logger.info(
-            f"launching {topology.nnodes} host(s) x {topology.nproc_per_node} process(es) over "
-            f"SSH; node 0 ({self.hosts[0]}) hosts the rendezvous at {topology.master_addr}:"
-            f"{topology.master_port}"
-        )
-
         agent = [self.python, "-c", AGENT.read_text()]  # the hosts need nothing of ddpnb
 
         def command(n: int, lifeline: int) -> tuple:
@@ -270,9 +255,9 @@ def check_hosts(
     Raises :class:`~ddpnb.errors.HostError` (or :class:`~ddpnb.errors.NetworkError`) naming
     every host or pair that cannot run the job.
     """
-    nodes = Hosts(
-        hosts, nproc_per_node, master_addr, master_port, 60, 0, ssh_config, ssh_options, python
-    )
+    parsed = parse_hosts(hosts)
+    topology = Topology(len(parsed), nproc_per_node, master_addr, master_port)
+    nodes = Hosts(parsed, topology, Ssh(ssh_config, ssh_options), python)
     if config is not None:
         config = check_run(as_config(config), nodes.nnodes * nproc_per_node, here=False)
     folder = Path(run_dir) if run_dir is not None and Path(run_dir).is_dir() else None
