@@ -1,24 +1,18 @@
-"""``launch``: a script or the worker on simulated nodes (``Local``, below) or SSH hosts."""
+"""``launch``: a script or the worker on simulated nodes (``Local``) or SSH hosts (``Hosts``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import shlex
-import subprocess
-import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from .agent import LIFELINE_ENV, loopback_bind_address
 from .config import TrainConfig
 from .errors import ConfigError
 from .job import Job, Scheduler
-from .pipeline import AGENT, Processes, run
-from .plan import HANG_TIMEOUT, Plan
-from .preflight import check_port_free, free_port
+from .local import Local
+from .pipeline import run
+from .plan import HANG_TIMEOUT
 from .script import Script
 from .topology import Topology
 
@@ -96,39 +90,3 @@ def train_single(config: TrainConfig | Mapping[str, Any], run_dir: str | os.Path
     new = "ddpnb.train_single(cfg, run_dir) is now ddpnb.launch(cfg, run_dir, nnodes=1)."
     warnings.warn(new, FutureWarning, stacklevel=2)
     return launch(config, run_dir, nnodes=1, nproc_per_node=1, **kwargs)
-
-
-class Local(Processes):
-    """Simulated nodes: ``local_nodes`` (default all) of the topology's start here; ``master_port``
-    None picks a free port, a given one must be free when node 0 runs here."""
-
-    def __init__(self, topology: Topology, local_nodes: Iterable[int] | None = None) -> None:
-        super().__init__()
-        self.nodes = sorted(set(range(topology.nnodes) if local_nodes is None else local_nodes))
-        for n in self.nodes:
-            if not isinstance(n, int) or not 0 <= n < topology.nnodes:
-                raise ConfigError(
-                    f"node_rank {n!r} must be in 0..{topology.nnodes - 1} (node_rank < nnodes)."
-                )
-        addr = topology.master_addr or "127.0.0.1"
-        bind_host = loopback_bind_address(addr) or ""  # "": every interface
-        port = topology.master_port or free_port(bind_host)
-        if topology.master_port and 0 in self.nodes:  # a given port
-            check_port_free(bind_host, port)
-        self.topology = dataclasses.replace(topology, master_addr=addr, master_port=port)
-
-    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:
-        procs_here = len(self.nodes) * topology.nproc_per_node
-        node_env = plan.node_env(str(run_dir), procs_here, pythonpath=os.environ.get("PYTHONPATH"))
-        agent = [sys.executable, str(AGENT)]  # torchrun, its store bound to loopback
-        cmds = {}
-        for n in self.nodes:
-            log_dir = str(run_dir / "logs" / f"node-{n}")
-            cmds[n] = topology.command(agent, n, plan.script, str(run_dir), log_dir=log_dir)
-
-        def commands(lifeline: int) -> dict:  # every agent stops its node when this process ends
-            env = {**os.environ, **node_env, LIFELINE_ENV: str(lifeline)}
-            popen = dict(cwd=run_dir, env=env, stdin=subprocess.DEVNULL, pass_fds=(lifeline,))
-            return {n: (cmd, shlex.join(cmd), popen) for n, cmd in cmds.items()}
-
-        self.spawn_all(run_dir, "torchrun", commands)

@@ -49,7 +49,7 @@ def test_import_ddpnb_loads_no_backend_but_the_simulated_nodes():
     code = "import sys, ddpnb; print(sorted(m for m in sys.modules if m.startswith('ddpnb.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = set(ast.literal_eval(out.stdout))
-    assert {"ddpnb.launch", "ddpnb.pipeline"} <= loaded
+    assert {"ddpnb.launch", "ddpnb.local", "ddpnb.pipeline"} <= loaded
     assert not loaded & {"ddpnb.remote", "ddpnb.ssh", "ddpnb.network", "ddpnb.slurm"}, loaded
 
 
