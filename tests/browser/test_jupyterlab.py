@@ -56,7 +56,9 @@ PANEL_JS = """scope => {
   const bar = document.querySelector('#jp-main-statusbar');
   return {
     kernel: bar ? bar.innerText : '',
-    broken: !!(img && img.offsetParent !== null && !(img.complete && img.naturalWidth > 0)),
+    // Broken: shown, and done loading with no picture (an empty or failed source). A new
+    // picture still decoding is not complete yet, and is not broken.
+    broken: !!(img && img.offsetParent !== null && img.complete && img.naturalWidth === 0),
     rows: [...panel.querySelectorAll('.ddpnb-node')].map(e => e.innerText.trim()),
     epoch: fill('.ddpnb-epoch-bar'),
     step: fill('.ddpnb-step-bar'),
