@@ -29,6 +29,8 @@ class Scheduler:
     """Where a run's nodes run; ``pipeline.run`` calls check, preflight, start; the Job the rest."""
 
     topology: Topology
+    nnodes = property(lambda self: self.topology.nnodes)
+    nproc_per_node = property(lambda self: self.topology.nproc_per_node)
     data_here = True
     hosts: list[str] | None = None  # per node, as the user named them (None: this machine)
     watch_stalls = True  # not while a cluster queues it

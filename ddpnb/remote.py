@@ -58,7 +58,6 @@ class Hosts(Processes):
     ) -> None:
         super().__init__()
         self.parsed, self.topology, self.ssh = hosts, topology, ssh  # node 0's address: preflight's
-        self.nnodes, self.nproc_per_node = topology.nnodes, topology.nproc_per_node
         self.python = python or sys.executable
         if remote_run_dir is not None and not str(remote_run_dir).startswith("/"):
             raise ConfigError(

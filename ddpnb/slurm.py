@@ -200,7 +200,6 @@ class Slurm(Scheduler):
     outlives_launcher = True  # a batch job belongs to the cluster, not to this process
 
     def __post_init__(self) -> None:
-        self.nnodes, self.nproc_per_node = self.topology.nnodes, self.topology.nproc_per_node
         self._state: dict[str, str] = {}
         self._asked = 0.0
 
