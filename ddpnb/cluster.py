@@ -50,13 +50,10 @@ def node_commands(
     hosts = list(hosts)
     if not hosts or not all(isinstance(h, str) and h for h in hosts):
         raise ConfigError("hosts must be a non-empty list of host names or addresses.")
-    nnodes = len(hosts)
-    topology = Topology(nnodes, nproc_per_node, hosts[0], master_port, rdzv_timeout, max_restarts)
-    if node_rank is not None and not (isinstance(node_rank, int) and 0 <= node_rank < nnodes):
-        raise ConfigError(
-            f"node_rank must be in 0..{nnodes - 1} (node_rank < nnodes = len(hosts)), "
-            f"got {node_rank!r}."
-        )
+    shape = (nproc_per_node, hosts[0], master_port, rdzv_timeout, max_restarts)
+    topology = Topology(len(hosts), *shape)
+    if node_rank is not None:
+        topology.check_node(node_rank)
     with suppress(ValueError):  # a hostname: cannot tell
         if ipaddress.ip_address(hosts[0]).is_global:
             warnings.warn(

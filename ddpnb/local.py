@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .agent import LIFELINE_ENV, loopback_bind_address
-from .errors import ConfigError
 from .pipeline import AGENT, Processes
 from .plan import Plan
 from .preflight import check_port_free, free_port
@@ -24,12 +23,8 @@ class Local(Processes):
 
     def __init__(self, topology: Topology, local_nodes: Iterable[int] | None = None) -> None:
         super().__init__()
-        self.nodes = sorted(set(range(topology.nnodes) if local_nodes is None else local_nodes))
-        for n in self.nodes:
-            if not isinstance(n, int) or not 0 <= n < topology.nnodes:
-                raise ConfigError(
-                    f"node_rank {n!r} must be in 0..{topology.nnodes - 1} (node_rank < nnodes)."
-                )
+        nodes = range(topology.nnodes) if local_nodes is None else local_nodes
+        self.nodes = sorted({topology.check_node(n) for n in nodes})
         addr = topology.master_addr or "127.0.0.1"
         bind_host = loopback_bind_address(addr) or ""  # "": every interface
         port = topology.master_port or free_port(bind_host)

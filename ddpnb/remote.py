@@ -114,33 +114,26 @@ class Hosts(Processes):
         problems = [(h, r) for h, r in zip(self.hosts, got) if isinstance(r, str)]
         reports = [(h, r) for h, r in zip(self.hosts, got) if isinstance(r, dict)]
         needed = ("torch", "torchvision") if data_dir is not None else ("torch",)
+        release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
+        versions = lambda r: f"torch {r['torch']}, torchvision {r['torchvision']}"
+        node0 = got[0] if isinstance(got[0], dict) else {}  # the others must match it
         for host, r in reports:
-            missing = " or ".join(pkg for pkg in needed if not r[pkg])
+            why, missing = "", " or ".join(pkg for pkg in needed if not r[pkg])
             if missing:
                 why = f"has no {missing} for {r['python']}: pip install {' '.join(needed)} there "
-                problems.append((host, why + "(or pass python= naming an interpreter that has it)"))
+                why += "(or pass python= naming an interpreter that has it)"
             elif data_dir is not None and r["fingerprint"] is None:
                 why = f"has no dataset at {data_dir} (train/ and val/): copy it there with rsync -a"
-                problems.append((host, why))
             elif backend == "nccl" and r.get("gpus", 0) < self.nproc_per_node:
                 why = f"has {r.get('gpus', 0)} GPU(s), fewer than nproc_per_node={self.nproc_per_node}"
-                problems.append((host, why))
+            elif node0 and release(r) != release(node0) and all(node0[k] for k in needed):
+                why = f"has {versions(r)}, node 0 {versions(node0)}: install the same on every host"
+            elif node0.get("fingerprint") and r["fingerprint"] != node0["fingerprint"]:
+                why = f"holds a dataset at {data_dir} that differs from node 0's ({self.hosts[0]}, "
+                why += f"fingerprint {node0['fingerprint'][:12]}): copy node 0's data there, e.g. "
+                why += f"rsync -a {data_dir}/ HOST:{data_dir}/"
+            problems += [(host, why)] if why else []
         _refuse("Preflight failed; nothing was started", problems)
-        differ = lambda key, show: [(h, show(r)) for h, r in reports if key(r) != key(got[0])]
-        release = lambda r: {k: (r[k] or "").split("+")[0] for k in needed}
-        odd = differ(release, lambda r: f"has torch {r['torch']}, torchvision {r['torchvision']}")
-        base = release(got[0])
-        head = f"The hosts run different versions of torch/torchvision (node 0: {base}); install "
-        _refuse(head + "the same on every host", odd)
-        first = got[0]["fingerprint"] or ""  # without a data_dir, every one is None
-        odd = differ(
-            lambda r: r["fingerprint"], lambda r: f"holds fingerprint {r['fingerprint'][:12]}"
-        )
-        head = (
-            f"The dataset at {data_dir} differs from node 0's ({self.hosts[0]}, fingerprint "
-            f"{first[:12]}). Copy node 0's data to them, e.g. rsync -a {data_dir}/ HOST:{data_dir}/"
-        )
-        _refuse(head, odd)
         addr = self.topology.master_addr or self.ssh.hostname(self.parsed[0])
         port, backend = port or got[0]["port"], "gloo" if backend == "gloo" else "nccl"
         return got, check_network(self.ssh, self.parsed, self.python, addr, port, backend, user_env)

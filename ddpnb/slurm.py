@@ -140,26 +140,25 @@ head_node=${{head_addr:-$head_node}}
 {port_line}mkdir -p {run_dir}/logs
 export DDPNB_RUN_DIR={run_dir} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
 {exports}
-# srun starts one task per node. Its options, set as its environment variables: stop
-# every node when one fails; each node's output to logs/node-N.log (N: the node's index
-# in the job), appended to after a requeue.
-{network}export SLURM_KILL_ON_BAD_EXIT=1 SLURM_OPEN_MODE=append
-export SLURM_STDOUTMODE={node_log}
-# After a torchrun restart the agents meet in a new rendezvous round. Each round's workers
+{network}# After a torchrun restart the agents meet in a new rendezvous round. Each round's workers
 # get a store of their own (hosted by rank 0) rather than the agents' shared one, whose
 # keys outlive the round: under c10d each agent counts only its own restarts, so a
 # per-attempt key prefix could differ between nodes and they would never meet.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# Each node names its own address (Slurm's NodeAddr) and the first node says it hosts the
-# store (torchrun reads PET_<OPTION> as that option): torchrun would otherwise go by the
-# host name, which on clusters with a separate training network resolves to the other one.
-srun bash -c 'addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")
-export PET_LOCAL_ADDR="${{addr:-$SLURMD_NODENAME}}"
-export PET_RDZV_CONF="join_timeout={t.rdzv_timeout},is_host=$((SLURM_NODEID == 0))"
-export PET_LOG_DIR="$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"
-net="$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$net"; fi
-exec "$@"' bash {launcher} \\
-    {torchrun}
+# What srun runs on each node: its torchrun, naming the node's own address (Slurm's
+# NodeAddr; torchrun would otherwise go by the host name, which on clusters with a separate
+# training network resolves to the other one) and whether it hosts the store (node 0).
+run_node() {{
+    addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+    net="$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$net"; fi
+    exec {launcher} \\
+        {torchrun}
+}}
+# srun runs it on every node, stops them all when one fails, and appends each node's output
+# to logs/node-N.log (N: the node's index in the job; appended to after a requeue).
+export head_node master_port
+srun --kill-on-bad-exit=1 --open-mode=append --output={node_log} \\
+    bash -c "$(declare -f run_node); run_node"
 """
 SUBMITTED = """
 # The run directory must be on a filesystem every node shares: each node checks that it
@@ -380,8 +379,11 @@ class Slurm(Scheduler):
         q, t = shlex.quote, self.topology
         port = str(t.master_port or "$master_port")
         c10d = {"rendezvous": "c10d", "rdzv_id": "$SLURM_JOB_ID", "endpoint": f"$head_node:{port}"}
-        args = t.command([], None, script, str(run_dir), "", **c10d)
-        own = re.compile(r"\$(head_node|master_port|SLURM_\w+)")  # the job's variables expand
+        c10d["local_addr"] = "${addr:-$SLURMD_NODENAME}"
+        launcher = [self.python, "-m", "torch.distributed.run"] if self.python else ["torchrun"]
+        log_dir = "$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"
+        args = t.command(launcher, "$SLURM_NODEID", script, str(run_dir), log_dir, **c10d)
+        own = re.compile(r"\$\W*(head_node|master_port|addr\b|SLURM_|DDPNB_RUN_DIR)")  # on nodes
         output = None if marker else "%x-%j.out"  # submitted: on sbatch's command line
         sbatch = {"job-name": self.job_name, "nodes": t.nnodes, "ntasks-per-node": 1}
         sbatch |= {"time": self.time, "open-mode": "append", "output": output}
@@ -395,8 +397,9 @@ class Slurm(Scheduler):
         v["port_line"] = "" if t.master_port else "master_port=$((20000 + SLURM_JOB_ID % 20000))\n"
         v["exports"] = "".join(f"export {k}={q(x)}\n" for k, x in (env or {}).items())
         v["node_log"] = q(str(run_dir / "logs" / "node-%n.log"))
-        v["launcher"] = f"{q(self.python)} -m torch.distributed.run" if self.python else "torchrun"
-        v["torchrun"] = " \\\n    ".join(f'"{a}"' if own.search(a) else q(a) for a in args)
+        v["launcher"] = shlex.join(launcher)
+        quoted = [f'"{a}"' if own.search(a) else q(a) for a in args[len(launcher) :]]
+        v["torchrun"] = " \\\n        ".join(quoted)
         v["marker"] = marker and SUBMITTED.format(**v)
         v["network"] = marker and NETWORK.format(**v)
         return BATCH.format(**v)

@@ -34,10 +34,17 @@ class Topology:
 
     world_size = property(lambda self: self.nnodes * self.nproc_per_node)
 
+    def check_node(self, node_rank: Any) -> int:
+        if not (isinstance(node_rank, int) and 0 <= node_rank < self.nnodes):
+            raise ConfigError(
+                f"node_rank must be in 0..{self.nnodes - 1} (node_rank < nnodes), got {node_rank!r}."
+            )
+        return node_rank
+
     def command(
         self,
         launcher: Sequence[str],
-        node_rank: int | None,
+        node_rank: int | str,
         script: Any,
         run_dir: str,
         log_dir: str | None = None,
@@ -49,9 +56,9 @@ class Topology:
     ) -> list[str]:
         """One node's command line: ``launcher``, torchrun's options, the script and its arguments.
 
-        ``c10d``: an elastic rendezvous named ``rdzv_id``, node 0 hosting the store; ``node_rank``
-        None and ``log_dir`` "" leave those and ``local_addr`` to the sbatch script's ``PET_*``
-        variables. ``endpoint``: ``host:port``, possibly shell variables."""
+        ``c10d``: an elastic rendezvous named ``rdzv_id``, node 0 hosting the store. For a shell
+        script (Slurm's), ``node_rank``, ``endpoint`` (``host:port``) and the others may be
+        shell variables, ``node_rank`` such as ``$SLURM_NODEID``."""
         endpoint = endpoint or f"{self.master_addr}:{self.master_port}"
         restarts = self.max_restarts
         args = [*launcher, f"--nnodes={self.nnodes}"]
@@ -63,14 +70,12 @@ class Topology:
         elif rendezvous == "c10d":
             args += [f"--nproc_per_node={self.nproc_per_node}", "--rdzv_backend=c10d"]
             args += [f"--rdzv_endpoint={endpoint}", f"--rdzv_id={rdzv_id}"]
-            if node_rank is not None:
-                is_host = int(node_rank == 0)
-                args.append(f"--rdzv_conf=join_timeout={self.rdzv_timeout},is_host={is_host}")
+            first = f"$(({node_rank} == 0))" if isinstance(node_rank, str) else int(node_rank == 0)
+            args.append(f"--rdzv_conf=join_timeout={self.rdzv_timeout},is_host={first}")
             args += [f"--local_addr={local_addr}"] if local_addr else []
             args.append(f"--max_restarts={restarts}")
         else:
             raise ConfigError("rendezvous must be 'static' or 'c10d'.")
         if log_dir is not None:
-            args += [f"--log_dir={log_dir}"] if log_dir else []
-            args += ["--tee=3", "--log_line_prefix_template=[rank${rank}] "]
+            args += [f"--log_dir={log_dir}", "--tee=3", "--log_line_prefix_template=[rank${rank}] "]
         return [*args, *script.command(run_dir)]

@@ -421,7 +421,7 @@ def test_notebook_08_without_slurm_prints_the_script(digits_data, tmp_path):
         kernel_manager_class=ipc_kernel_manager(),
     )
     text = out.read_text()
-    assert "#SBATCH --nodes=2" in text and "bash torchrun" in text and "sbatch " in text
+    assert "#SBATCH --nodes=2" in text and "exec torchrun" in text and "sbatch " in text
     assert "no Slurm here: printing" in text
     assert not (tmp_path / "slurm-run" / "slurm_job.json").exists()  # nothing submitted
 
