@@ -41,8 +41,8 @@ class Scheduler:
     master_port: int | None = None
     state: str | None = None
 
-    # What every scheduler does:
-    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:  # place, start
+    # What every scheduler does (``topology``: final once preflight has run):
+    def start(self, plan: Plan, run_dir: Path) -> None:  # place, start
         raise NotImplementedError
 
     def poll(self) -> dict[int, int | None]:  # each node's exit code, None while it runs
@@ -53,15 +53,13 @@ class Scheduler:
 
     # What some do (a cluster's limits, queue and log; nodes whose files are elsewhere):
     def check(self, plan: Plan) -> None: ...  # what can be checked before the run directory exists
+    def preflight(self, plan: Plan, run_dir: Path) -> None: ...  # check nodes, where they meet
     def pending(self) -> str | None: ...  # why the nodes have not started (a queue), or None
     def since(self) -> float | None: ...  # when this attempt's nodes started (None: at the Job's)
     def batch_log(self) -> Path | None: ...  # the cluster's own log of the run (sbatch's output)
     def sync(self) -> None: ...  # bring node 0's progress files here while the run goes on
     def sync_stacks(self, force: bool) -> None: ...  # ranks' stack snapshots; force: now or raise
     def fetch(self) -> None: ...  # bring every node's results and logs here once the run ended
-
-    def preflight(self, plan: Plan, run_dir: Path) -> Topology:  # check nodes; where they meet
-        return self.topology
 
     def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:  # add host, state
         return error

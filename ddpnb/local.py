@@ -32,14 +32,14 @@ class Local(Processes):
             check_port_free(bind_host, port)
         self.topology = dataclasses.replace(topology, master_addr=addr, master_port=port)
 
-    def start(self, plan: Plan, run_dir: Path, topology: Topology) -> None:
-        procs_here = len(self.nodes) * topology.nproc_per_node
+    def start(self, plan: Plan, run_dir: Path) -> None:
+        procs_here = len(self.nodes) * self.topology.nproc_per_node
         node_env = plan.node_env(str(run_dir), procs_here, pythonpath=os.environ.get("PYTHONPATH"))
         agent = [sys.executable, str(AGENT)]  # torchrun, its store bound to loopback
         cmds = {}
         for n in self.nodes:
             log_dir = str(run_dir / "logs" / f"node-{n}")
-            cmds[n] = topology.command(agent, n, plan.script, str(run_dir), log_dir=log_dir)
+            cmds[n] = self.topology.command(agent, n, plan.script, str(run_dir), log_dir=log_dir)
 
         def commands(lifeline: int) -> dict:  # every agent stops its node when this process ends
             env = {**os.environ, **node_env, LIFELINE_ENV: str(lifeline)}

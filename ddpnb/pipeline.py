@@ -41,15 +41,15 @@ def run(
     run_dir = prepare_run_dir(
         run_dir, plan.payload, plan.config, resume=plan.resume, overwrite=plan.overwrite
     ).resolve()
-    topology = scheduler.preflight(plan, run_dir)
+    scheduler.preflight(plan, run_dir)
     warn_if_cuda_initialised()
     shutil.rmtree(run_dir / WATCH_DIR, ignore_errors=True)
     for name, data in plan.files.items():  # ddpnb's hooks: fresh at every launch
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_bytes(data)
     (run_dir / "logs").mkdir(exist_ok=True)
-    scheduler.start(plan, run_dir, topology)
-    job = Job(run_dir, plan.script, plan.config, topology, scheduler, **plan.follow)
+    scheduler.start(plan, run_dir)
+    job = Job(run_dir, plan.script, plan.config, scheduler.topology, scheduler, **plan.follow)
     return job.wait() if wait else job
 
 

@@ -67,40 +67,31 @@ class Hosts(Processes):
         self.hosts = [h.spec for h in hosts]
         self._synced = self._stacks_synced = 0.0
 
-    def preflight(self, plan, run_dir: Path) -> Topology:
-        """Probe every host (and what its copy of the run directory holds), prove the network."""
+    def preflight(self, plan, run_dir: Path) -> None:
+        """Probe every host (and what its copy of the run directory holds), prove the network:
+        node 0's address and port are those it proved."""
         remote_dir = str(self.remote_run_dir or run_dir)
         env = {**forwarded_env(os.environ), **plan.env}
-        self.reports, self.network = self.survey(
-            plan.config, run_dir, env, (remote_dir, [*PRODUCTS, *plan.payload])
-        )
+        held = (remote_dir, [*PRODUCTS, *plan.payload], not (plan.resume or plan.overwrite))
+        self.reports, self.network = self.survey(plan.config, run_dir, env, held)
         self.run_dir = run_dir
         self.shared = [r["shared"] for r in self.reports]
         self.dirs = [str(run_dir) if s else remote_dir for s in self.shared]
-        for host, r in zip(self.hosts, self.reports):
-            if r["held"] and not (r["shared"] or plan.resume or plan.overwrite):
-                raise HostError(
-                    f"{host}:{remote_dir} already holds a run (found {', '.join(r['held'])}). "
-                    "Nothing was changed. Pass resume=True to continue it, overwrite=True to "
-                    "replace it there, or another remote_run_dir.",
-                    host=host,
-                )
         logger.info("network check:\n%s", self.network.table())
-        net = self.network
-        return dataclasses.replace(
-            self.topology, master_addr=net.master_addr, master_port=net.master_port
-        )
+        where = {"master_addr": self.network.master_addr, "master_port": self.network.master_port}
+        self.topology = dataclasses.replace(self.topology, **where)
 
     def survey(self, config, folder: Path | None, user_env: Mapping[str, str], launch=None):
         """Probe every host at once, then prove the network: a report per host and the
         NetworkReport, or one HostError naming every host that cannot run the job, and why.
 
         ``config``: the worker's, or None. ``folder``: does each host see this folder here?
-        ``launch``: a launch's remote run directory and the names to look for there.
+        ``launch``: a launch's remote run directory, the names to look for there, and whether
+        a host without this run directory may not hold them (neither resume nor overwrite).
         """
         data_dir = config.data_dir if config is not None else None
         backend = config.backend if config is not None else "auto"
-        remote_dir, held = launch or ("", [])
+        remote_dir, held, refuse_held = launch or ("", [], False)
         port = self.topology.master_port  # None: node 0's probe picks a free one
         asked = {"data_dir": data_dir, "gpus": backend == "nccl", "dir": remote_dir, "held": held}
         asked["free_port"] = port is None
@@ -122,6 +113,10 @@ class Hosts(Processes):
             if missing:
                 why = f"has no {missing} for {r['python']}: pip install {' '.join(needed)} there "
                 why += "(or pass python= naming an interpreter that has it)"
+            elif refuse_held and r["held"] and not r["shared"]:
+                why = f"already holds a run (found {', '.join(r['held'])}) in {remote_dir}: pass"
+                why += " resume=True to continue it, overwrite=True to replace it, or another"
+                why += " remote_run_dir"
             elif data_dir is not None and r["fingerprint"] is None:
                 why = f"has no dataset at {data_dir} (train/ and val/): copy it there with rsync -a"
             elif backend == "nccl" and r.get("gpus", 0) < self.nproc_per_node:
@@ -138,7 +133,7 @@ class Hosts(Processes):
         port, backend = port or got[0]["port"], "gloo" if backend == "gloo" else "nccl"
         return got, check_network(self.ssh, self.parsed, self.python, addr, port, backend, user_env)
 
-    def start(self, plan, run_dir: Path, topology: Topology) -> None:
+    def start(self, plan, run_dir: Path) -> None:
         files = io.BytesIO()  # a tar stream of the files (the pipeline wrote them here)
         pack(str(run_dir), list(plan.files), files)
         todo = [n for n, shared in enumerate(self.shared) if not shared]
@@ -152,11 +147,10 @@ class Hosts(Processes):
 
         def command(n: int, lifeline: int) -> tuple:
             folder = self.dirs[n]
-            env = plan.node_env(folder, topology.nproc_per_node, self.reports[n]["cpus"])
+            env = plan.node_env(folder, self.nproc_per_node, self.reports[n]["cpus"])
             env = {LIFELINE_ENV: "0", **forwarded_env(os.environ), **self.network.env(n), **env}
-            argv = topology.command(
-                agent, n, plan.script, folder, log_dir=f"{folder}/logs/node-{n}"
-            )
+            log_dir = f"{folder}/logs/node-{n}"
+            argv = self.topology.command(agent, n, plan.script, folder, log_dir=log_dir)
             cmd = self.ssh.command(self.parsed[n], remote_line(argv, cwd=folder, env=env))
             shown = remote_line([*argv[:2], "<ddpnb agent>", *argv[3:]], cwd=folder, env=env)
             shown = f"{shlex.join(cmd[:-1])}  # runs, on that host:\n    {shown}"

@@ -248,7 +248,7 @@ class Slurm(Scheduler):
                 "or choose a GPU partition."
             )
 
-    def preflight(self, plan, run_dir: Path) -> Topology:
+    def preflight(self, plan, run_dir: Path) -> None:
         old = read_json(run_dir / JOB_FILE).get("job_id")  # a job of this run directory
         state = (job_state(old, self.env) or {}).get("JobState", "") if old else ""
         if state in ALIVE:
@@ -256,9 +256,8 @@ class Slurm(Scheduler):
                 f"Slurm job {old} still runs in {run_dir} ({state}). Follow it with "
                 f"ddpnb.attach({str(run_dir)!r}), or cancel it (scancel {old}) before submitting again."
             )
-        return self.topology  # the first node and the port: the job's, once it runs
 
-    def start(self, plan, run_dir: Path, topology: Topology) -> None:
+    def start(self, plan, run_dir: Path) -> None:
         token = secrets.token_hex(16)
         (run_dir / MARKER_NAME).write_text(token + "\n")
         shutil.copyfile(Path(__file__).with_name("meshcheck.py"), run_dir / MESHCHECK_NAME)
@@ -277,7 +276,7 @@ class Slurm(Scheduler):
         self.run_dir, self.job_id = run_dir, r.stdout.strip().split(";")[0]
         shape = (self.job_id, self.nnodes, self.nproc_per_node)
         logger.info("submitted Slurm job %s: %d node(s) x %d process(es)", *shape)
-        record = {"job_id": self.job_id, **dataclasses.asdict(topology), "sbatch": argv}
+        record = {"job_id": self.job_id, **dataclasses.asdict(self.topology), "sbatch": argv}
         record |= {"partition": self.partition, "slurm_conf": self.env.get("SLURM_CONF")}
         record |= {"submitted_at": submitted_at, "script": plan.script.name}
         record |= {"args": list(plan.script.args), "hang_timeout": plan.hang_timeout}
