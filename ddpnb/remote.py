@@ -280,16 +280,14 @@ def ssh_commands(
     """
     from .cluster import node_commands
 
-    parsed = parse_hosts(hosts)
-    ssh = Ssh(ssh_config, ssh_options)
+    parsed, ssh = parse_hosts(hosts), Ssh(ssh_config, ssh_options)
     addresses = [ssh.hostname(h) for h in parsed]
     launcher = [python, "-m", "torch.distributed.run"] if python else ["torchrun"]
     lines = node_commands(what, run_dir, addresses, nproc_per_node, master_port, launcher=launcher)
     out = []
     for n, (host, line) in enumerate(zip(parsed, lines)):
-        env = network.env(n) if network is not None else {}
-        prefix = shlex.join(["env", *(f"{k}={v}" for k, v in env.items())]) + " " if env else ""
-        remote = f"cd {shlex.quote(str(run_dir))} && {prefix}{line}"
+        env = network.env(n) if network is not None else None
+        remote = remote_line(shlex.split(line), cwd=str(run_dir), env=env)
         out.append(shlex.join([*ssh.args(host, "-t", defaults=False), remote]))
     return out
 
