@@ -189,7 +189,7 @@ def test_03_multi_node(executed):
     assert worker_source("who_am_i", "join_process_group") in printed  # the group's set-up
     assert worker_source("validate") in printed
     text = (out / "03_multi_node_ddp.ipynb").read_text()
-    assert "bash torchrun" in text and "--node_rank=1" in text
+    assert "exec torchrun" in text and "--node_rank=1" in text
     # Node commands one option per line: none wraps mid-token in the output area.
     assert "torchrun \\\n    --nnodes=2 \\\n" in printed and "    --node_rank=1 \\\n" in printed
     assert "    --master_addr=127.0.0.1 \\\n" in printed  # the simulated nodes' own commands
@@ -340,7 +340,7 @@ def test_09_your_own_script(executed):
     assert [r["epoch"] for r in run.epochs] == [1, 2, 3, 4, 5]
     assert all(r["world_size"] == 2 for r in run.epochs) and run.final["val_acc"] > 0.9
     assert (out / "own" / "model.pt").is_file()  # rank 0 wrote it in its working directory
-    assert "# node 1:\nssh -t -- gpu2 'cd /shared/runs/own && torchrun " in printed
+    assert "# node 1:\nssh -t -- gpu2 'cd /shared/runs/own && exec torchrun " in printed
     ssh_lines = [line for line in printed.splitlines() if line.startswith("ssh ")]
     assert len(ssh_lines) == 2 and not [line for line in ssh_lines if "DDPNB_" in line]
     assert "srun" in printed
