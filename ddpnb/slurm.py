@@ -136,7 +136,7 @@ set -euo pipefail
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # The address Slurm itself uses for that node (a node name need not resolve everywhere).
 head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
-head_node=${{head_addr:-$head_node}}
+export head_node=${{head_addr:-$head_node}}  # exported: run_node reads it on every node
 {port_line}mkdir -p {run_dir}/logs
 export DDPNB_RUN_DIR={run_dir} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
 {exports}
@@ -156,7 +156,6 @@ run_node() {{
 }}
 # srun runs it on every node, stops them all when one fails, and appends each node's output
 # to logs/node-N.log (N: the node's index in the job; appended to after a requeue).
-export head_node master_port
 srun --kill-on-bad-exit=1 --open-mode=append --output={node_log} \\
     bash -c "$(declare -f run_node); run_node"
 """
@@ -393,7 +392,8 @@ class Slurm(Scheduler):
             token=q(marker), marker_path=q(str(run_dir / MARKER_NAME)), run_dir=q(str(run_dir))
         )
         v["header"] = "\n".join(f"#SBATCH --{k}={x}" for k, x in sbatch.items() if x)
-        v["port_line"] = "" if t.master_port else "master_port=$((20000 + SLURM_JOB_ID % 20000))\n"
+        derived = "export master_port=$((20000 + SLURM_JOB_ID % 20000))\n"  # from the job id
+        v["port_line"] = "" if t.master_port else derived
         v["exports"] = "".join(f"export {k}={q(x)}\n" for k, x in (env or {}).items())
         v["node_log"] = q(str(run_dir / "logs" / "node-%n.log"))
         v["launcher"] = shlex.join(launcher)
