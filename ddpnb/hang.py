@@ -1,6 +1,9 @@
 """Where every rank is, and whether the run hangs, from the workers' snapshots (``ddpnb.watch``).
 
-All ranks in collectives (or ended): a **hang**; some waiting, others working: a **slow** phase."""
+A rank **waits** when its stack is in a collective and its main thread does not compute (its CPU
+time stands still: measured by the watch, not inferred from the stack). Every live rank waiting
+for ``limit`` seconds: a **hang**; some waiting, others standing still elsewhere: a **slow**
+phase. A rank that computes is never waiting, so a run whose every rank computes is never hung."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ HOOKS = {
 }
 CLOCK_SKEW = 5.0  # seconds another host's clock may be behind this one's
 STALE_SECONDS = 15.0  # a snapshot older than this: the rank has not reported (gone, or held)
+SHOW_SECONDS = 5.0  # a rank's line says how long it has waited or computed from this on
 C10D = "torch/distributed/distributed_c10d.py"
 DDP = "torch/nn/parallel/distributed.py"
 BACKWARD = ("backward", "_engine_run_backward")
@@ -82,6 +86,21 @@ class RankState:
     process_group: bool
     frames: tuple[Frame, ...]
     age: float  # seconds since the snapshot was written
+    # seconds without a step, a change of stack or the main thread computing (None: not measured)
+    idle: float | None = None
+    interval: float = 2.0  # seconds between the rank's snapshots
+
+    @property
+    def computing(self) -> bool:
+        """The rank moved, or its main thread used CPU, within its last two snapshots."""
+        return (
+            self.state == "running" and self.idle is not None and self.idle < 2 * self.interval + 1
+        )
+
+    @property
+    def waits(self) -> bool:
+        """In a collective, and not computing: measured, not inferred from the stack alone."""
+        return self.state == "running" and bool(self.waits_in) and not self.computing
 
     @property
     def mine(self) -> Frame | None:
@@ -118,11 +137,19 @@ class RankState:
                 f"rank {self.rank} has not reported for {self.age:.0f} s (its process is gone, "
                 "or busy in code that holds Python's lock)"
             )
-        waits = self.waits_in
-        if waits:
-            return f"rank {self.rank} waits in {waits} at {self.where()}"
-        doing = _match(self._paths(), WORK) or "working outside any collective"
-        return f"rank {self.rank} is {doing} at {self.where()}"
+        if self.waits:
+            return (
+                f"rank {self.rank} waits in {self.waits_in} at {self.where()}{self._for(self.idle)}"
+            )
+        doing = _match(self._paths(), WORK)
+        if self.computing:
+            doing = doing if doing and doing.startswith("computing") else "computing"
+        doing = doing or "working outside any collective"
+        return f"rank {self.rank} is {doing} at {self.where()}{self._for(self.still)}"
+
+    @staticmethod
+    def _for(seconds: float | None) -> str:
+        return f" for {seconds:.0f} s" if seconds is not None and seconds >= SHOW_SECONDS else ""
 
     def stack(self) -> list[str]:
         """The user's frames (file:line and the call), torch's and Python's folded into one line."""
@@ -140,12 +167,19 @@ class RankState:
         return out
 
 
-TITLES = {"hang": "The run hangs", "slow": "Slow phase", "quiet": "No progress", "ok": "Running"}
+TITLES = {
+    "hang": "The run hangs",
+    "slow": "Slow phase",
+    "quiet": "No progress",
+    "waiting": "Waiting",
+    "ok": "Running",
+}
 
 
 @dataclasses.dataclass
 class Verdict:
-    """What the ranks' positions mean: ``kind`` is "hang", "slow", "quiet" or "ok"."""
+    """What the ranks' positions mean: ``kind`` is "hang", "slow", "quiet", "waiting" (ranks wait,
+    not yet for the limit) or "ok"."""
 
     kind: str
     message: str
@@ -188,11 +222,13 @@ WHY = {
 
 
 def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
-    """Whether the ranks hang, given they have all been still for ``quiet_for`` seconds."""
+    """Whether the ranks hang, given none has computed or moved for ``quiet_for`` seconds."""
+    waiting = [r for r in ranks if r.waits]
     if not ranks or quiet_for < limit:
-        return Verdict("ok", "", quiet_for)
-    waiting = [r for r in ranks if r.state == "running" and r.waits_in]
-    others = [r for r in ranks if r.state != "ended" and not r.waits_in]
+        if not waiting:
+            return Verdict("ok", "", quiet_for)
+        return Verdict("waiting", "; ".join(r.line() for r in ranks) + ".", quiet_for)
+    others = [r for r in ranks if r.state != "ended" and not r.waits]
     ended = [r for r in ranks if r.state == "ended"]
     spawn = [r for r in waiting if r.waits_in == SPAWN]
     kind = "hang" if waiting and not others else "slow" if waiting else "quiet"
@@ -248,9 +284,11 @@ def read_ranks(run_dir: str | os.PathLike, since: float = 0.0) -> list[RankState
         if state == "running" and age > max(STALE_SECONDS, 4 * r.get("interval", 2)):
             state = "silent"
         fields = {k: r[k] for k in ("rank", "node", "host", "pid", "steps", "process_group")}
-        still = r["still"] + (age if state == "running" else 0.0)
+        fields["interval"] = r.get("interval", 2.0)
+        late = age if state == "running" else 0.0
+        still, idle = r["still"] + late, r.get("idle", r["still"]) + late
         frames = tuple(Frame(*f) for f in r.get("stack", []))
-        out.append(RankState(**fields, state=state, still=still, frames=frames, age=age))
+        out.append(RankState(**fields, state=state, still=still, frames=frames, age=age, idle=idle))
     return out
 
 
@@ -321,7 +359,7 @@ def stacks(run_dir: str | os.PathLike, limit: float = 60.0) -> Stacks:
             "ago while the others report: the host cannot be reached (or its stacks are not "
             "copied here: only a running launcher copies them from hosts without a shared folder)."
         )
-    quiet = min(r.still for r in ranks if r.state == "running")
+    quiet = min(r.idle for r in ranks if r.state == "running")
     return Stacks(run_dir, ranks, verdict(ranks, quiet, limit))
 
 

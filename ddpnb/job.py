@@ -253,7 +253,8 @@ class Job:
         limit = self.hang_timeout
         if self.config is not None:  # named before gloo ends the run with a bare 'Timed out'
             limit = min(limit, self.config.timeout_seconds / 2)
-        found = verdict(ranks, min(*(r.still for r in live), now - self._output_moved), limit)
+        # A rank that computes (its main thread's CPU time advances) is not quiet.
+        found = verdict(ranks, min(*(r.idle for r in live), now - self._output_moved), limit)
         self.waiting = found if found.kind != "ok" else None
         # ddpnb's worker times out its own collectives: the diagnosis then names the node.
         worker_names_it = found.cause == "same" and self.config is not None

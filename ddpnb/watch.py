@@ -18,6 +18,7 @@ import time
 DIR_ENV = "DDPNB_WATCH"  # the folder for the snapshots; unset: nothing is watched
 INTERVAL_ENV = "DDPNB_WATCH_INTERVAL"  # seconds between snapshots
 MAX_FRAMES = 60  # innermost frames kept
+BUSY = 0.05  # share of a core the main thread used since the last snapshot: it computes
 HOOKS_DIR = ".ddpnb"  # the run directory's folder of ddpnb's hooks (this file among them)
 RUN_DIR = os.path.realpath(os.getcwd()) + os.sep  # the user's files: the working dir at start
 
@@ -64,6 +65,16 @@ def main_stack() -> list[list]:
     return out[::-1]
 
 
+def main_cpu_clock():
+    """A function giving the main thread's CPU seconds (Linux), else the process's."""
+    try:
+        clock = time.pthread_getcpuclockid(threading.main_thread().ident)
+        time.clock_gettime(clock)
+        return lambda: time.clock_gettime(clock)
+    except (AttributeError, OSError):  # macOS, Windows: the process's (every thread's) time
+        return time.process_time
+
+
 class _Watch:
     def __init__(self, folder: str, interval: float) -> None:
         self.path = os.path.join(folder, f"rank-{os.environ['RANK']}.json")
@@ -71,7 +82,9 @@ class _Watch:
         self.pid = os.getpid()
         self.steps = 0
         self.last: tuple | None = None  # (stack, steps) of the previous snapshot
-        self.moved_at = time.time()
+        self.moved_at = self.busy_at = self.cpu_at = time.time()
+        self.cpu = main_cpu_clock()
+        self.cpu_last = self.cpu()
         self.ended = False
         env = lambda name: int(os.environ.get(name) or 0)
         self.about = {
@@ -101,12 +114,20 @@ class _Watch:
         key = ([f[:3] for f in stack], self.steps)
         if key != self.last:
             self.last, self.moved_at = key, now
+        # Waiting is measured: a main thread that used CPU since the last snapshot computes.
+        cpu = self.cpu()
+        if cpu - self.cpu_last > BUSY * max(now - self.cpu_at, 1e-3):
+            self.busy_at = now
+        self.cpu_last, self.cpu_at = cpu, now
         dist = getattr(sys.modules.get("torch"), "distributed", None)
         record = {
             **self.about,
             "state": state,
             "time": now,
             "still": round(now - self.moved_at, 3),  # seconds without a step or a new stack
+            # seconds without a step, a new stack or the main thread computing
+            "idle": round(now - max(self.moved_at, self.busy_at), 3),
+            "cpu": round(cpu, 3),  # the main thread's CPU seconds so far
             "steps": self.steps,
             "process_group": bool(dist and dist.is_available() and dist.is_initialized()),
             "interval": self.interval,

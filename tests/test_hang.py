@@ -30,10 +30,10 @@ def line_of(name: str, snippet: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if snippet in line)
 
 
-def launch(name: str, run_dir: Path, **kwargs) -> ddpnb.Job:
+def launch(name: str, run_dir: Path, args=(), **kwargs) -> ddpnb.Job:
     kwargs.setdefault("hang_timeout", HANG_SECONDS)
     return ddpnb.launch(
-        Script(HANGS / name), run_dir, nnodes=2, env=FAST, progress="text", **kwargs
+        Script(HANGS / name, args=args), run_dir, nnodes=2, env=FAST, progress="text", **kwargs
     )
 
 
@@ -70,8 +70,21 @@ def test_different_collectives_hang():
     assert "different collectives" in v.message
 
 
-def test_nothing_is_called_before_the_limit():
-    assert verdict([rank(0, BARRIER), rank(1, BACKWARD)], 59, 60).kind == "ok"
+def test_before_the_limit_waiting_ranks_are_shown_waiting_and_nothing_is_called_a_hang():
+    v = verdict([rank(0, BARRIER, idle=12.0), rank(1, BACKWARD, idle=12.0)], 12, 60)
+    assert v.kind == "waiting" and not v.cause
+    assert v.message.startswith("rank 0 waits in barrier at train.py:10 (the call) for 12 s;")
+    assert verdict([rank(0, BARRIER, idle=0.5), rank(1, idle=0.5)], 0.5, 60).kind == "ok"
+
+
+def test_a_rank_that_computes_inside_backward_never_waits():
+    """Its stack stands still in backward, but its main thread's CPU time advances."""
+    busy = [rank(r, BACKWARD, idle=0.4, still=90.0) for r in (0, 1)]
+    assert not any(r.waits for r in busy)
+    assert busy[0].line() == "rank 0 is computing backward at train.py:10 (the call) for 90 s"
+    # Even if the quiet time were long, computing ranks are never a hang.
+    assert verdict(busy, 500, 60).kind != "hang"
+    assert verdict([busy[0], rank(1, BARRIER, idle=90.0)], 500, 60).kind == "slow"
 
 
 def test_a_rank_writing_a_checkpoint_is_a_slow_phase_not_a_bug():
@@ -164,6 +177,16 @@ def test_uneven_batches_leave_one_rank_in_its_loop(tmp_path):
         in text
     )
     assert "different numbers of batches" in text
+
+
+@pytest.mark.slow
+def test_a_healthy_run_whose_steps_take_3x_hang_timeout_runs_to_its_end(tmp_path, capsys):
+    """Every rank computes each backward for 3 x hang_timeout: measured CPU time, not a hang."""
+    job = launch("slow_steps.py", tmp_path / "run", hang_timeout=2.0, args=["6"])
+    assert all(rc == 0 for rc in job.returncodes.values())
+    out = capsys.readouterr().out
+    assert "hang" not in out.lower() and "waits in" not in out
+    assert (tmp_path / "run" / "logs").is_dir() and "step 1 done" in job.log_tail(0, 60)
 
 
 @pytest.mark.slow
