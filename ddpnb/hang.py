@@ -152,7 +152,8 @@ class RankState:
         return f" for {seconds:.0f} s" if seconds is not None and seconds >= SHOW_SECONDS else ""
 
     def stack(self) -> list[str]:
-        """The user's frames (file:line and the call), torch's and Python's folded into one line."""
+        """The user's frames (file:line and the call); torch's, Python's and the script's helpers'
+        (its Part 2: ``ddpnb.watch.PART2_BANNER``) folded into one line."""
         out = []
         for mine, group in itertools.groupby(self.frames, key=lambda f: f.mine):
             frames = list(group)
@@ -161,8 +162,8 @@ class RankState:
             else:
                 inner = frames[-1]
                 out.append(
-                    f"... {len(frames)} frame(s) of torch/Python, innermost {inner.function} "
-                    f"({Path(inner.file).name}:{inner.line})"
+                    f"... {len(frames)} frame(s) of torch/Python{_helpers(frames)}, innermost "
+                    f"{inner.function} ({Path(inner.file).name}:{inner.line})"
                 )
         return out
 
@@ -250,6 +251,13 @@ def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
     return Verdict(kind, message, quiet_for, cause)
 
 
+def _helpers(frames: list[Frame]) -> str:
+    """`` and the script's helpers (hook, agree)`` for those of ``frames`` in the script's Part 2
+    (they keep their run-directory path; torch's and Python's are full paths), else ''."""
+    names = [f.function for f in frames if not (os.path.isabs(f.file) or f.file.startswith("<"))]
+    return f" and the script's helpers ({', '.join(dict.fromkeys(names))})" if names else ""
+
+
 def _ranks(ranks: list[RankState]) -> str:
     numbers = [str(r.rank) for r in ranks]
     return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {', '.join(numbers)}"
@@ -292,6 +300,21 @@ def read_ranks(run_dir: str | os.PathLike, since: float = 0.0) -> list[RankState
     return out
 
 
+# A stack's lines wrap between words (JupyterLab's outputs break a <pre> anywhere, mid-word),
+# inside a word only when it is longer than the column, and paths after a '/'; a line's
+# continuation is indented under it.
+PRE_STYLE = "margin:0;white-space:pre-wrap;word-break:normal;overflow-wrap:break-word"
+LINE_STYLE = "display:block;padding-left:2ch;text-indent:-2ch"
+CELL_STYLE = "text-align:left;vertical-align:top"
+
+
+def _stack_html(lines: list[str]) -> str:
+    spans = (
+        f"<span style='{LINE_STYLE}'>{html.escape(s).replace('/', '/<wbr>')}</span>" for s in lines
+    )
+    return f"<pre style='{PRE_STYLE}'>{''.join(spans)}</pre>"
+
+
 @dataclasses.dataclass(repr=False)
 class Stacks:
     """Where every rank is: ``str()`` a text, ``_repr_html_`` a table (in a notebook)."""
@@ -319,11 +342,11 @@ class Stacks:
     def _repr_html_(self) -> str:
         e, v = html.escape, self.verdict
         row = lambda tag, cells: (
-            "<tr>" + "".join(f"<{tag} style='text-align:left'>{c}</{tag}>" for c in cells) + "</tr>"
+            "<tr>" + "".join(f"<{tag} style='{CELL_STYLE}'>{c}</{tag}>" for c in cells) + "</tr>"
         )
-        pre = lambda r: f"<pre style='margin:0'>{e(chr(10).join(r.stack()))}</pre>"
         rows = [row("th", ("rank", "node", "where", "stack"))] + [
-            row("td", (r.rank, f"{r.node} ({e(r.host)})", e(r.line()), pre(r))) for r in self.ranks
+            row("td", (r.rank, f"{r.node} ({e(r.host)})", e(r.line()), _stack_html(r.stack())))
+            for r in self.ranks
         ]
         message = f"<p><b>{e(TITLES[v.kind])}</b>: {e(v.message)}</p>" if v.message else ""
         return f"<div class='ddpnb-stacks'>{message}<table>{''.join(rows)}</table></div>"

@@ -8,8 +8,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from .watch import PART2_BANNER  # the comment line that opens Part 2 of the worker
+
 WORKER_PATH = Path(__file__).with_name("worker.py")
-PART2_BANNER = "# Part 2: the machinery"  # the comment line that opens Part 2 of the worker
 
 
 def _definitions(text: str) -> dict[str, tuple[int, int]]:

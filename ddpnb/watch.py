@@ -9,6 +9,7 @@ import contextlib
 import functools
 import json
 import linecache
+import math
 import os
 import socket
 import sys
@@ -21,6 +22,9 @@ MAX_FRAMES = 60  # innermost frames kept
 BUSY = 0.05  # share of a core the main thread used since the last snapshot: it computes
 HOOKS_DIR = ".ddpnb"  # the run directory's folder of ddpnb's hooks (this file among them)
 RUN_DIR = os.path.realpath(os.getcwd()) + os.sep  # the user's files: the working dir at start
+# A line of a user's file that opens its machinery (ddpnb's worker has one): code defined below
+# it is the script's helpers, not the line of its own that a rank stands at.
+PART2_BANNER = "# Part 2: the machinery"
 
 active = None  # the _Watch of this process, once the sitecustomize activated it
 
@@ -52,6 +56,14 @@ def user_file(filename: str) -> str | None:
     return path[len(RUN_DIR) :] if ok and "site-packages" not in path else None
 
 
+@functools.cache
+def helpers_from(filename: str) -> float:
+    """The line of ``filename``'s PART2_BANNER (code defined below it is not the user's line);
+    infinity when it has none."""
+    lines = linecache.getlines(filename)
+    return next((i for i, text in enumerate(lines, 1) if text.startswith(PART2_BANNER)), math.inf)
+
+
 def main_stack() -> list[list]:
     """The main thread's frames, outermost first: [file, line, function, source, mine]."""
     frame = sys._current_frames().get(threading.main_thread().ident)
@@ -60,7 +72,8 @@ def main_stack() -> list[list]:
         code = frame.f_code
         name = user_file(code.co_filename)
         text = linecache.getline(code.co_filename, frame.f_lineno).strip()[:120]
-        out.append([name or code.co_filename, frame.f_lineno, code.co_name, text, bool(name)])
+        mine = bool(name) and code.co_firstlineno < helpers_from(code.co_filename)
+        out.append([name or code.co_filename, frame.f_lineno, code.co_name, text, mine])
         frame = frame.f_back
     return out[::-1]
 

@@ -293,6 +293,7 @@ def save_checkpoint(path, epoch, cfg, me, model, optimizer, scheduler, fingerpri
 # =============================================================================
 # Part 2: the machinery (what Part 1 calls to be robust and measurable)
 # =============================================================================
+# ddpnb's hang watch names a rank's line in Part 1: a call into this part is where it is.
 
 
 def read_config(argv: list[str] | None) -> tuple[dict, Path, Path]:

@@ -7,6 +7,9 @@ are pure functions of the snapshots, tested on hand-made ranks first.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import subprocess
 import sys
 import time
@@ -17,7 +20,7 @@ from conftest import wait_for_hang
 
 import ddpnb
 from ddpnb.errors import ConfigError, RunHung
-from ddpnb.hang import Frame, RankState, verdict
+from ddpnb.hang import Frame, RankState, Stacks, verdict
 from ddpnb.script import Script
 
 HANGS = Path(__file__).with_name("hangs")
@@ -107,6 +110,44 @@ def test_buffer_broadcast_and_spawn_are_named():
 
 def test_busy_ranks_are_not_a_hang():
     assert verdict([rank(0), rank(1)], 500, 60).kind == "quiet"
+
+
+def test_frames_below_the_part2_banner_are_the_scripts_helpers_not_its_line(tmp_path):
+    """The tutorial worker's Part 2: a rank there stands at the Part 1 line that called it."""
+    import ddpnb.watch
+
+    hooks = tmp_path / ".ddpnb"  # where a run directory has ddpnb's hooks
+    hooks.mkdir()
+    (hooks / "ddpnb_watch.py").write_bytes(Path(ddpnb.watch.__file__).read_bytes())
+    (tmp_path / "train.py").write_text(
+        "import json, ddpnb_watch\n"
+        "def step():\n"
+        "    return average()  # the user's line\n"
+        f"{ddpnb.watch.PART2_BANNER} (what Part 1 calls)\n"
+        "def average():\n"
+        "    return ddpnb_watch.main_stack()\n"
+        "print(json.dumps(step()))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(hooks)}
+    out = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    frames = tuple(Frame(*f) for f in json.loads(out.stdout))
+    r = RankState(0, 0, "host", 1, "running", 0.0, 0, False, frames, 0.0)
+    assert r.where() == "train.py:3 (return average()  # the user's line)"
+    helpers = "... 2 frame(s) of torch/Python and the script's helpers (average), innermost"
+    assert r.stack()[-1].startswith(helpers), r.stack()
+
+
+def test_the_stack_column_wraps_between_words():
+    """JupyterLab breaks an output's <pre> anywhere ('train_one_epo/ch'); the table's does not."""
+    helper = Frame("src/train.py", 90, "agree", "dist.all_reduce(self.flag)", False)
+    r = rank(0, BACKWARD, user="src/train.py")
+    r = dataclasses.replace(r, frames=(*r.frames, helper))
+    html = Stacks(Path("run"), [r], verdict([r], 1, 60))._repr_html_()
+    assert "white-space:pre-wrap;word-break:normal;overflow-wrap:break-word" in html
+    assert "src/<wbr>train.py:10 in &lt;module&gt;" in html  # a path breaks after its '/'
+    assert "and the script&#x27;s helpers (agree), innermost agree (train.py:90)" in html
 
 
 # -- real runs ---------------------------------------------------------------------------------

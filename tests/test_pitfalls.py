@@ -168,6 +168,10 @@ def test_a_barrier_on_rank_0_only_hangs_and_the_watch_stops_it(tiny_data, tmp_pa
     message = str(caught.value)
     assert f"rank 0 waits in barrier at train_ddp.py:{line} (dist.barrier()" in message
     assert "rank 1 waits in" in message and "different collectives" in message
+    # Rank 1's line is its training step's, not the worker's shared-memory helper (Part 2).
+    step = next(i for i, text in enumerate(lines, 1) if text.strip().startswith("loss.backward()"))
+    assert f"at train_ddp.py:{step} (loss.backward()" in message
+    assert "self.flag" not in message and "the script's helpers (hook, allreduce, agree)" in message
     assert "barrier" in str(caught.value.stacks)
     assert len(job.metrics.epochs) == 1  # the first epoch ended; the second never did
 
