@@ -132,13 +132,15 @@ class Job:
         return self.config.epochs if self.config else read_progress(self.run_dir).get("epochs")
 
     def node_status(self) -> dict[int, str]:
-        """``pending``, ``starting``, ``running``, ``done``, ``failed`` or ``stopped`` per node."""
+        """``pending``, ``starting``, ``running``, ``waiting``, ``hung``, ``done``, ``failed`` or
+        ``stopped`` per node (``waiting``: every rank of it waits in a collective)."""
         if waiting := self.scheduler.pending():
             return dict.fromkeys(range(self.nnodes), waiting)
         since = self.scheduler.since() or self.started_at
         joined = read_progress(self.run_dir).get("time", 0) >= since - 1
         codes = self.returncodes
         hung = self.waiting is not None and self.waiting.kind == "hang"
+        waits = self._waiting_nodes()
         ended = "stopped" if isinstance(self.error, KeyboardInterrupt) else "failed"
         out = {}
         for n in range(self.nnodes):
@@ -147,9 +149,16 @@ class Job:
             elif codes[n] is not None:
                 out[n] = "done" if codes[n] == 0 else ended
             else:
-                started = joined or self._worker_output(n)
-                out[n] = "hung" if hung else "running" if started else "starting"
+                state = "running" if joined or self._worker_output(n) else "starting"
+                out[n] = "hung" if hung else "waiting" if n in waits else state
         return out
+
+    def _waiting_nodes(self) -> set[int]:
+        """The nodes whose every live rank waits, while the hang watch says ranks wait."""
+        if self.waiting is None or self.waiting.kind not in ("waiting", "slow"):
+            return set()
+        live = [r for r in self._ranks if r.state == "running"]
+        return {r.node for r in live if r.waits} - {r.node for r in live if not r.waits}
 
     def _worker_output(self, node: int) -> bool:
         with suppress(OSError), open(self.log_paths[node], "rb") as f:

@@ -11,6 +11,7 @@ from html import escape
 from pathlib import Path
 from typing import Any, Protocol
 
+from .errors import RunHung
 from .hang import TITLES
 from .metrics import RunMetrics, read_jsonl, read_progress
 
@@ -42,11 +43,14 @@ STATUS_COLORS = {
     "pending": "#6c71c4",  # queued by Slurm ("pending (Resources)")
     "starting": "#b58900",
     "running": "#268bd2",
+    "waiting": "#cb4b16",  # its ranks wait in a collective (the hang watch, before its limit)
     "done": "#2aa160",
     "failed": "#dc322f",
     "hung": "#d33682",  # every rank waits in a collective and none moves
 }
-WAITING_COLORS = {"hang": "#d33682", "slow": "#b58900"}  # the hang watch's verdicts, shown
+# The hang watch's verdicts, shown: ranks wait (before the limit), hang, or a slow phase.
+WAITING_COLORS = {"waiting": "#cb4b16", "hang": "#d33682", "slow": "#b58900"}
+HUNG_STOPPED = "stopped (on_hang='stop'); the RunHung error says where each rank waits."
 BORDER = "1px solid var(--jp-border-color1, #ccc)"
 
 # A PNG cannot follow JupyterLab's theme: in a dark theme invert it (hues kept), not a white block.
@@ -134,6 +138,12 @@ def _epoch_line(row: dict, epochs: int | None) -> str:
     return "  ".join(parts)
 
 
+def _verdict(job: Followed):
+    """The hang watch's verdict to show while not "ok"; None once it stopped the run: the
+    RunHung raised says it then (its message, ``e.stacks``), so that it is said once."""
+    return None if isinstance(job.error, RunHung) else job.waiting
+
+
 def _start_line(job: Followed) -> str:
     return (
         f"ddpnb: {job.nnodes} node(s) x {job.nproc_per_node} process(es) = world size "
@@ -168,7 +178,7 @@ class TextProgress:
         for row in rows[self.printed :]:
             print(_epoch_line(row, self.job.epochs), flush=True)
         self.printed = max(self.printed, len(rows))
-        waiting = self.job.waiting
+        waiting = _verdict(self.job)
         kind = waiting.kind if waiting is not None else None
         if kind != self.said and kind in WAITING_COLORS:
             print(f"ddpnb: {TITLES[kind].lower()}: {waiting.message}", flush=True)
@@ -242,11 +252,14 @@ class WidgetProgress:
                 self.node_rows[n].value = html
 
     def _set_waiting(self) -> None:
-        verdict, html = self.job.waiting, ""
-        if verdict is not None and verdict.kind in WAITING_COLORS:
+        verdict, html = _verdict(self.job), ""
+        kind, text = (verdict.kind, escape(verdict.message)) if verdict is not None else (None, "")
+        if isinstance(self.job.error, RunHung):  # the error's message is the paragraph
+            kind, text = "hang", HUNG_STOPPED
+        if kind in WAITING_COLORS:
             html = (
-                f"<div style='border-left:4px solid {WAITING_COLORS[verdict.kind]};padding:2px 8px;"
-                f"margin:4px 0'><b>{TITLES[verdict.kind]}</b>: {escape(verdict.message)}</div>"
+                f"<div style='border-left:4px solid {WAITING_COLORS[kind]};padding:2px 8px;"
+                f"margin:4px 0'><b>{TITLES[kind]}</b>: {text}</div>"
             )
         if self.waiting.value != html:
             self.waiting.value = html

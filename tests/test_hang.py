@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_for_hang
 
 import ddpnb
 from ddpnb.errors import ConfigError, RunHung
@@ -169,16 +168,48 @@ def test_a_barrier_on_rank0_is_named_and_stopped(tmp_path, capsys):
     assert (e.global_rank, e.node_rank) == (0, 0)
     assert [r.rank for r in e.stacks.ranks] == [0, 1]
     assert time.monotonic() - started < 60
-    assert "ddpnb: the run hangs:" in capsys.readouterr().out  # the text progress said it live
+    out = capsys.readouterr().out  # the text progress said, live, that the ranks wait
+    assert f"ddpnb: waiting: rank 0 waits in barrier at barrier_rank0.py:{barrier}" in out
+    # The verdict's paragraph is said once: by the RunHung raised, not also by the progress.
+    assert "No rank has made progress" not in out and "hangs" not in out
+    assert str(e).count("No rank has made progress") == 1
+    assert "ddpnb: run FAILED" in out and "(RunHung)" in out
+
+
+def follow(job: ddpnb.Job, until: str | None, limit: float) -> list[tuple[str | None, dict]]:
+    """(verdict kind, node states) as ``job`` goes on, until its hang watch says ``until``
+    (None: until it ends), with a widget panel drawn at each verdict kind's first sight."""
+    from ddpnb.progress import WidgetProgress
+
+    seen, panels, deadline = [], {}, time.monotonic() + limit
+    while True:
+        assert time.monotonic() < deadline, f"not {until} within {limit} s: {seen[-3:]}"
+        try:
+            job.wait(timeout=0.5)
+        except TimeoutError:
+            kind = job.waiting.kind if job.waiting is not None else None
+            seen.append((kind, job.node_status()))
+            if kind not in panels:
+                panels[kind] = WidgetProgress(job)
+            if kind == until is not None:
+                return seen, panels
+            continue
+        assert until is None, "the run ended"
+        return seen, panels
 
 
 @pytest.mark.slow
 def test_waiting_shows_the_hang_and_ddpnb_stacks_reads_it(tmp_path):
-    """on_hang='wait': the run stays up, the nodes read 'hung', ddpnb stacks shows every rank."""
+    """on_hang='wait': the nodes read 'waiting', then 'hung'; the run stays up; ddpnb stacks
+    shows every rank."""
     job = launch("barrier_rank0.py", tmp_path / "run", on_hang="wait", wait=False)
     try:
-        wait_for_hang(job, 40)
-        assert job.waiting is not None and job.waiting.kind == "hang"
+        seen, panels = follow(job, "hang", 40)
+        assert ("waiting", {0: "waiting", 1: "waiting"}) in seen, seen  # before the verdict
+        rows, box = [p.value for p in panels["waiting"].node_rows], panels["waiting"].waiting.value
+        assert all(">waiting</span>" in row for row in rows), rows
+        assert "<b>Waiting</b>: rank 0 waits in barrier at barrier_rank0.py:" in box, box
+        assert "<b>The run hangs</b>: No rank has made progress" in panels["hang"].waiting.value
         assert set(job.node_status().values()) == {"hung"}
         out = subprocess.run(
             [sys.executable, "-m", "ddpnb", "stacks", str(job.run_dir)],
@@ -232,7 +263,9 @@ def test_a_healthy_run_whose_steps_take_3x_hang_timeout_runs_to_its_end(tmp_path
 
 @pytest.mark.slow
 def test_a_slow_rank_is_described_and_the_run_finishes(tmp_path, capsys):
-    job = launch("slow_checkpoint.py", tmp_path / "run", hang_timeout=2.0)
+    job = launch("slow_checkpoint.py", tmp_path / "run", hang_timeout=2.0, wait=False)
+    seen, _ = follow(job, None, 60)
+    assert ("slow", {0: "running", 1: "waiting"}) in seen, seen  # rank 1 waits for rank 0
     assert all(rc == 0 for rc in job.returncodes.values())
     out = capsys.readouterr().out
     sleep = line_of("slow_checkpoint.py", "time.sleep(")

@@ -295,6 +295,8 @@ def test_06_pitfalls(executed):
     assert "run FAILED" in text and "(RunHung)" in text
     assert "rank 0 waits in barrier at train_ddp.py:" in text
     assert "Ranks call different collectives" in text
+    # Said once (by the RunHung's stacks, not also by the progress), at the training step's line.
+    assert text.count("ddpnb: the run hangs") == 0 and "(loss.backward()" in text
 
 
 def torch_default_threads() -> int:

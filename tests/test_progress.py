@@ -6,9 +6,11 @@ import pytest
 from test_plot import _fake_run
 
 import ddpnb
+from ddpnb.errors import RunHung
+from ddpnb.hang import Verdict
 from ddpnb.job import Job
 from ddpnb.pipeline import Processes
-from ddpnb.progress import TextProgress, WidgetProgress, is_jupyter_server
+from ddpnb.progress import WAITING_COLORS, TextProgress, WidgetProgress, is_jupyter_server
 from ddpnb.topology import Topology
 
 
@@ -53,6 +55,35 @@ def test_text_progress_is_a_line_per_epoch(tmp_path, capsys):
     assert len(lines) == 1 + 4 + 1
     assert "hosts the rendezvous" in lines[0] and lines[1].startswith("epoch 1/4")
     assert "finished" in lines[-1]
+
+
+HANG = "No rank has made progress for 8 s: rank 0 waits in barrier at train.py:9; ..."
+
+
+def test_the_hang_that_stopped_the_run_is_said_once_by_its_error(tmp_path, capsys):
+    """The RunHung raised says the verdict (and e.stacks shows it): the displays do not repeat it."""
+    job = _job(_fake_run(tmp_path / "r", 2), nnodes=2)
+    job.waiting = Verdict("hang", HANG, 8.0, "different")
+    job.error = RunHung(f"The run hangs. {HANG}")
+    text, panel = TextProgress(job), WidgetProgress(job)
+    text.close(job)
+    panel.close(job)
+    out = capsys.readouterr().out
+    assert "No rank has made progress" not in out and "run FAILED" in out and "(RunHung)" in out
+    box = panel.waiting.value
+    assert "No rank has made progress" not in box
+    assert "<b>The run hangs</b>: stopped (on_hang='stop'); the RunHung error" in box, box
+
+
+def test_ranks_that_wait_are_shown_waiting_once(tmp_path, capsys):
+    job = _job(_fake_run(tmp_path / "r", 2), nnodes=2)
+    job.waiting = Verdict("waiting", "rank 0 waits in barrier at train.py:9 for 6 s.", 6.0)
+    text, panel = TextProgress(job), WidgetProgress(job)
+    text.update()
+    text.update()
+    assert capsys.readouterr().out.count("ddpnb: waiting: rank 0 waits in barrier") == 1
+    assert f"solid {WAITING_COLORS['waiting']}" in panel.waiting.value
+    assert "<b>Waiting</b>: rank 0 waits in barrier at train.py:9 for 6 s." in panel.waiting.value
 
 
 @pytest.mark.parametrize(
