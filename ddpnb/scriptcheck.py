@@ -424,7 +424,10 @@ def _facts(ranks: list[_Rank], world: int, layout: str) -> dict[str, str]:
 
 def _no_pass(ranks: list[_Rank]) -> str:
     """Why no rank trained in a pass of its data (epochs, shards and their order unseen)."""
-    if any(r["step"] for r in ranks):
+    steps = [s for r in ranks for s in r["step"]]
+    if any(s.get("pass") for s in steps):  # a pass is recorded when it ends, or the next begins
+        return "the run stopped before any rank ended a pass of its training data"
+    if steps:
         return "optimizer steps were seen, but no DataLoader or DistributedSampler pass fed them"
     return "no optimizer step"
 
@@ -433,8 +436,14 @@ def _sharding(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     """1: the ranks' training samples in epoch 1 should be disjoint (but for padding)."""
     trained = [r for r in ranks if r.train]
     if world < 2 or len(trained) < 2:
-        few = "fewer than two ranks took an optimizer step"
-        why = few if world < 2 or trained else _no_pass(ranks)
+        why = "one rank: nothing to compare" if world < 2 else _no_pass(ranks)
+        if world >= 2 and trained:  # the others may well have stepped: their pass did not end
+            others = [str(r.rank) for r in ranks if not r.train]
+            who = f"rank{'s' * (len(others) > 1)} {', '.join(others)}" if others else "the others"
+            why = (
+                f"only rank {trained[0].rank} ended a pass of its training data; the run stopped "
+                f"before {who} did"
+            )
         return [f"Training shards: not checked ({why})."]
     common = _common(trained, [r.train[0] for r in trained])
     if common is None:

@@ -297,6 +297,9 @@ def test_06_pitfalls(executed):
     assert "Ranks call different collectives" in text
     # Said once (by the RunHung's stacks, not also by the progress), at the training step's line.
     assert text.count("ddpnb: the run hangs") == 0 and "(loss.backward()" in text
+    # The check's notes agree with each other: rank 0's pass never ended, both ranks stepped.
+    assert "fewer than two ranks took an optimizer step" not in text
+    assert "ended a pass of its training data" in text
 
 
 def torch_default_threads() -> int:
