@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 NB = "03_multi_node_ddp.ipynb"
 NB_4 = "03_multi_node_ddp_4nodes.ipynb"
+NB_HANG = "06_hang.ipynb"  # notebook 06's cells up to its pitfall 6, the hang, tiny
 SMALL = dict(
     data_dir="data/tiny",
     baseline_dir="runs/baseline",  # absent: the notebook plots DDP alone
@@ -64,7 +65,36 @@ PANEL_JS = """scope => {
     step: fill('.ddpnb-step-bar'),
     plot: img && img.naturalWidth > 0 ? img.src : null,
     status: panel.querySelector('.ddpnb-status').innerText,
+    hang: panel.querySelector('.ddpnb-hang').innerText.trim(),
   };
+}"""
+
+# Line breaks inside a word in each <pre> line of a cell's outputs ("train_one_epo|ch"), and
+# how many lines wrapped at all: each character's box, compared with the one before it.
+MIDWORD_JS = """cell => {
+  const broken = [];
+  let wraps = 0;
+  for (const line of cell.querySelectorAll('.jp-OutputArea pre > span')) {
+    const walker = document.createTreeWalker(line, NodeFilter.SHOW_TEXT);
+    let prev = null, top = null;
+    while (walker.nextNode()) {
+      const node = walker.currentNode;
+      for (let i = 0; i < node.length; i++) {
+        const range = document.createRange();
+        range.setStart(node, i);
+        range.setEnd(node, i + 1);
+        const box = range.getBoundingClientRect(), ch = node.data[i];
+        if (box.width === 0) continue;
+        if (prev !== null && box.top > top + 2) {
+          wraps++;
+          if (/\\w/.test(prev) && /\\w/.test(ch)) broken.push(line.innerText.slice(0, 60));
+        }
+        prev = ch;
+        top = box.top;
+      }
+    }
+  }
+  return {broken, wraps};
 }"""
 
 # Execution prompts of the visible notebook's code cells: "[3]:", "[*]:" or "[ ]:".
@@ -265,6 +295,61 @@ def test_run_all_shows_live_panel_plot_and_final_curves(lab, page):
     # Run All, the widget state and Ctrl+S went to the copy: the clone is as it was.
     assert _git_status("notebooks") == lab.notebooks_status
     assert not _git_status(lab.root)
+
+
+def _hang_notebook(dst: Path) -> Path:
+    """Notebook 06's parameters, set-up and pitfall 6 cells (the hang), on the tiny data."""
+    import nbformat
+
+    nb = nbformat.read(REPO / "notebooks" / "06_pitfalls.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    setup = [c for c in code if c.source.startswith(("%matplotlib", "world_size ="))]
+    launch_cfg = next(c for c in code if c.source.startswith("cfg = ddpnb.TrainConfig("))
+    launch_cfg.source = launch_cfg.source.split("\ncorrect = ")[0]  # the config, not its run
+    hang = next(c for c in code if c.source.startswith("hang_script = "))
+    nb.cells = [code[0], *setup, launch_cfg, hang]
+    nbformat.write(nb, dst)
+    tiny = dict(train_images=60, val_images=37, image_size=16, batch_size=8, hang_timeout=12)
+    return with_parameters(dst, dst, data_dir="data/tiny", run_root="runs/hang", **tiny)
+
+
+def test_the_hang_reads_waiting_then_is_said_once_with_its_stacks_unbroken(lab, page):
+    """Notebook 06's hang in the panel: the nodes read "waiting" before the verdict; the
+    verdict's paragraph shows once (e.stacks); the stack column breaks no word."""
+    _hang_notebook(lab.root / NB_HANG)
+    page.set_viewport_size({"width": 1100, "height": 1000})  # a stack column that must wrap
+    try:
+        _open(page, lab, NB_HANG)
+        _menu(page, "Run", "Run All Cells")
+        samples, shot, deadline = [], False, time.monotonic() + 150
+        while not _finished(page):
+            assert time.monotonic() < deadline, f"Run All did not finish: {samples[-1:]}"
+            state = page.evaluate(PANEL_JS, VISIBLE)
+            if state and _states(state) == {"waiting"} and not shot:
+                _shot(page, "06-waiting.png")
+                shot = True
+            samples += [state] if state else []
+            time.sleep(0.1)
+        cell = page.locator(
+            f"{VISIBLE} .jp-CodeCell", has=page.locator(".jp-InputArea", has_text="hang_script = ")
+        )
+        table = cell.locator(".jp-OutputArea table")
+        table.scroll_into_view_if_needed()
+        page.screenshot(path=artifacts_dir() / "06-hang.png")
+        lines = cell.evaluate(MIDWORD_JS)
+    finally:
+        page.set_viewport_size({"width": 1400, "height": 1000})
+
+    waiting = [s for s in samples if _states(s) == {"waiting"}]
+    assert waiting, f"the nodes never read 'waiting': {[_states(s) for s in samples][::10]}"
+    assert waiting[-1]["hang"].startswith("Waiting: rank 0 waits in barrier at train_ddp.py:")
+    said = cell.locator(".jp-OutputArea").inner_text()
+    assert said.count("No rank has made progress") == 1, said  # e.stacks', not the panel's too
+    final = page.evaluate(PANEL_JS, VISIBLE)
+    assert final["hang"].startswith("The run hangs: stopped (on_hang='stop')"), final["hang"]
+    assert _states(final) == {"failed"} and "(RunHung)" in final["status"], final
+    assert "(loss.backward()" in table.inner_text()  # rank 1's line: its step, not a helper
+    assert lines["wraps"] > 0 and not lines["broken"], lines
 
 
 def test_dark_theme_four_nodes_and_stop_button_ends_every_process(lab, page):
