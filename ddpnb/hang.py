@@ -89,6 +89,7 @@ class RankState:
     # seconds without a step, a change of stack or the main thread computing (None: not measured)
     idle: float | None = None
     interval: float = 2.0  # seconds between the rank's snapshots
+    clean: bool = False  # ended without an uncaught exception (its script's work is done)
 
     @property
     def computing(self) -> bool:
@@ -284,7 +285,7 @@ def read_ranks(run_dir: str | os.PathLike, since: float = 0.0) -> list[RankState
         if state == "running" and age > max(STALE_SECONDS, 4 * r.get("interval", 2)):
             state = "silent"
         fields = {k: r[k] for k in ("rank", "node", "host", "pid", "steps", "process_group")}
-        fields["interval"] = r.get("interval", 2.0)
+        fields["interval"], fields["clean"] = r.get("interval", 2.0), r.get("clean", False)
         late = age if state == "running" else 0.0
         still, idle = r["still"] + late, r.get("idle", r["still"]) + late
         frames = tuple(Frame(*f) for f in r.get("stack", []))

@@ -123,6 +123,9 @@ class _Watch:
         record = {
             **self.about,
             "state": state,
+            # At exit: did the script end without an uncaught exception (then any later death,
+            # an abort as the interpreter finalises, comes after its work was done)?
+            "clean": self.ended and getattr(sys, "last_value", None) is None,
             "time": now,
             "still": round(now - self.moved_at, 3),  # seconds without a step or a new stack
             # seconds without a step, a new stack or the main thread computing
