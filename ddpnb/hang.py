@@ -51,6 +51,13 @@ WORK = (
 )
 
 
+def nccl_pending(summary: dict | None) -> dict | None:
+    """The oldest NCCL collective not completed in a rank's recorder summary; None if none."""
+    if not isinstance(summary, dict) or "error" in summary:
+        return None
+    return (summary.get("pending") or [None])[0]
+
+
 def _match(paths: list[tuple[str, str]], table: tuple) -> str | None:
     """The name in the first row of ``table`` that a (path, function) of ``paths`` matches."""
     for part, fns, name in table:
@@ -90,6 +97,7 @@ class RankState:
     idle: float | None = None
     interval: float = 2.0  # seconds between the rank's snapshots
     clean: bool = False  # ended without an uncaught exception (its script's work is done)
+    nccl: dict | None = None  # NCCL's flight recorder in brief (ddpnb.watch.nccl_collectives)
 
     @property
     def computing(self) -> bool:
@@ -115,7 +123,15 @@ class RankState:
 
     @property
     def waits_in(self) -> str | None:
-        """The collective this rank waits in, as a reader names it; None when it is not in one."""
+        """The collective this rank waits in, as a reader names it; None when it is not in one.
+        On NCCL the flight recorder's oldest pending collective (the stack sits elsewhere)."""
+        if isinstance(self.nccl, dict) and "error" not in self.nccl:
+            p = nccl_pending(self.nccl)
+            return (
+                None
+                if p is None
+                else f"NCCL's {p.get('op')} #{p.get('seq')} ({p.get('size')} elements)"
+            )
         paths = self._paths()
         public = (fn for p, fn in paths if p.endswith(C10D) and not fn.startswith("_"))
         named = _match(paths, COLLECTIVES) or next(public, None)
@@ -288,6 +304,10 @@ def read_ranks(run_dir: str | os.PathLike, since: float = 0.0) -> list[RankState
         fields["interval"], fields["clean"] = r.get("interval", 2.0), r.get("clean", False)
         late = age if state == "running" else 0.0
         still, idle = r["still"] + late, r.get("idle", r["still"]) + late
+        fields["nccl"] = r.get("nccl")
+        pending = nccl_pending(fields["nccl"])
+        if pending is not None:  # on NCCL waiting is the recorder's: a spinning sync computes
+            idle = float(pending.get("for", 0.0)) + late
         frames = tuple(Frame(*f) for f in r.get("stack", []))
         out.append(RankState(**fields, state=state, still=still, frames=frames, age=age, idle=idle))
     return out

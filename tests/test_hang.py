@@ -7,6 +7,7 @@ are pure functions of the snapshots, tested on hand-made ranks first.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from conftest import wait_for_hang
 
 import ddpnb
 from ddpnb.errors import ConfigError, RunHung
-from ddpnb.hang import Frame, RankState, verdict
+from ddpnb.hang import Frame, RankState, read_ranks, verdict
 from ddpnb.script import Script
 
 HANGS = Path(__file__).with_name("hangs")
@@ -518,3 +519,27 @@ def test_the_flight_recorder_is_on_in_the_workers_unless_the_user_set_it(monkeyp
     assert "TORCH_FR_BUFFER_SIZE" not in mine and mine["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")  # the launcher's own: the workers inherit it
     assert "TORCH_FR_BUFFER_SIZE" not in Plan(script, None).user_env("/r")
+
+
+def test_on_nccl_waiting_is_the_flight_recorders_pending_collective(tmp_path):
+    """NCCL ranks spin in a GPU sync (CPU busy) with the stack elsewhere: the recorder decides."""
+    pending = lambda seq, op, size: {  # noqa: E731
+        "groups": {"0": [seq, seq - 1]},
+        "pending": [{"pg": "0", "seq": seq, "op": op, "size": size, "for": 70.0}],
+    }
+    r0 = rank(0, idle=0.2, nccl=pending(9, "nccl:all_reduce_barrier", 1))
+    r1 = rank(1, idle=0.2, nccl=pending(9, "nccl:all_reduce", 65792))
+    assert r0.waits_in == "NCCL's nccl:all_reduce_barrier #9 (1 elements)"
+    free = rank(1, BARRIER, idle=0.2, nccl={"groups": {"0": [9, 9]}, "pending": []})
+    assert free.waits_in is None  # its stack in barrier says nothing on NCCL
+    # read_ranks turns the recorder's waiting time into the rank's idle time (CPU spins):
+    folder = tmp_path / ".ddpnb" / "watch"
+    folder.mkdir(parents=True)
+    for r in (r0, r1):
+        record = {"rank": r.rank, "node": r.rank, "host": "h", "pid": 1, "steps": 5}
+        record.update(state="running", time=time.time(), still=0.2, idle=0.2, interval=2.0)
+        record.update(process_group=True, stack=[], world_size=2, nccl=r.nccl)
+        (folder / f"rank-{r.rank}.json").write_text(json.dumps(record))
+    ranks = read_ranks(tmp_path)
+    assert all(r.waits and r.idle >= 70 for r in ranks)
+    assert verdict(ranks, min(r.idle for r in ranks), 60).cause == "different"
