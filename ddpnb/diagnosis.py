@@ -13,6 +13,7 @@ from .errors import NodeLost, RendezvousTimeout, RunFailed, RunStalled, WorkerFa
 from .hang import Frame, RankState, read_ranks
 from .metrics import load_metrics, read_json, read_progress
 from .topology import Topology
+from .watch import HOOKS_DIR
 
 SECONDARY_ERRORS = (  # messages of ranks that failed only because a peer died first
     "Connection closed by peer",
@@ -160,7 +161,7 @@ def script_line(traceback: str, run_dir: Path) -> str:
     """`` at train.py:12 in step`` for the traceback's innermost frame of the script's files."""
     frames = [m for m in _FRAME.finditer(traceback) if "site-packages" not in m.group(1)]
     folder = str(Path(run_dir).resolve()) + "/"
-    mine = [m for m in frames if m.group(1).startswith(folder)] or frames
+    mine = [m for m in frames if _mine(m.group(1), folder)] or frames
     if not mine:
         return ""
     path, line, func = mine[-1].groups()
@@ -220,6 +221,15 @@ def fault_stack(lines: list[str]) -> list[tuple[str, int, str]]:
 
 def positions(run_dir: Path, found: list) -> str:
     """``rank 0 in all_reduce at x.py:21 (...); rank 1 ...``: each failed rank's last line."""
+    return "; ".join(
+        f"rank {s.rank} in {s.waits_in or 'its script'} at {s.where()}"
+        for s in rank_states(run_dir, found)
+    )
+
+
+def rank_states(run_dir: Path, found: list) -> list[RankState]:
+    """Each failed rank (``found``: :func:`worker_errors`) where its traceback or faulthandler's
+    dump left it, by rank; ranks whose frames show none of the script's lines are left out."""
     folder = str(Path(run_dir).resolve()) + "/"
     out = []
     for _, _node, rank, info in sorted(found, key=lambda e: e[2]):
@@ -229,12 +239,18 @@ def positions(run_dir: Path, found: list) -> str:
         frames = tuple(
             Frame(p[len(folder) :] if p.startswith(folder) else p, n, fn, _source(p, n), mine)
             for p, n, fn in stack
-            for mine in [p.startswith(folder) and "site-packages" not in p]
+            for mine in [_mine(p, folder)]
         )
         state = RankState(rank, 0, "", 0, "running", 0.0, 0, True, frames, 0.0)
         if state.mine is not None:
-            out.append(f"rank {rank} in {state.waits_in or 'its script'} at {state.where()}")
-    return "; ".join(out)
+            out.append(state)
+    return out
+
+
+def _mine(path: str, folder: str) -> bool:
+    """A file of the user's, in the run directory: not torch's, nor ddpnb's hooks (.ddpnb/)."""
+    ours = path.startswith(folder + HOOKS_DIR + "/")  # the watch's and the check's wrappers
+    return path.startswith(folder) and "site-packages" not in path and not ours
 
 
 def _source(path: str, line: int) -> str:
