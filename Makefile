@@ -68,7 +68,8 @@ $(WHEELHOUSE)/.complete: pyproject.toml Makefile
 bench: setup
 	$(PY) bench/run.py
 
-# Where a GPU is lent: the worker on nccl/bf16 and its speed (under 5 min on one H200).
+# Where a GPU is lent: the worker on nccl/bf16, its speed, and the hang watch on NCCL
+# (under 5 min on one H200, and 2 more for the hang).
 # Without CUDA it says so and exits 77 (nothing checked). `make gpu-check GPU_CHECK_ARGS=--record`
 # appends the figures to bench/results.md. With no network for setup, run
 # `python3 bench/gpu_check.py` with the machine's own torch: the repo needs no install.

@@ -4,10 +4,10 @@ Run where a GPU is lent (``make gpu-check``; on a machine with torch but without
 project's venv, or without network, ``python3 bench/gpu_check.py`` from the repo root:
 nothing needs installing, the repo is put on ``sys.path``)::
 
-    python3 bench/gpu_check.py [--quick] [--record] [--only a|ab]
+    python3 bench/gpu_check.py [--quick] [--record] [--only a|ab|d]
 
 Sized for under 5 minutes on one H200 with 16 cores, no network (about 3, by estimate:
-it has never run on a GPU yet). Three steps:
+it has never run on a GPU yet), and step (d) under 2 more. Four steps:
 
 a. Correctness. ``ddpnb.launch`` of the real worker, 1 node x every GPU, backend
    ``auto`` (nccl), bf16 autocast, on (1) a generated ImageFolder of JPEGs with
@@ -26,12 +26,21 @@ b. Speed. The worker at resnet50, 224 px, bf16, channels_last, per-GPU batch 256
    not set today, so the share of any gap that this setting explains is printed.
 c. Scaling, with more than one GPU: per-GPU images/s at all GPUs over one GPU, at
    the same per-GPU batch (target >= 0.90).
+d. A hang on NCCL (``bench/nccl_hang.py``, the hang watch on). One rank reads its flight
+   recorder the watch's way (``ddpnb.watch.nccl_collectives``): a completed all_reduce
+   reads as completed, one held behind a GPU sleep as pending, and a read with the ring
+   full is timed (asserted). With 2 GPUs or more, two 2-rank runs: rank 0 alone calls
+   ``dist.barrier()``, and rank 0 trains one step more than rank 1; for each, whether
+   and how many seconds after the mistake the flight recorder's path
+   (``ddpnb.hang.nccl_waits``, limit 10 s) names the hang, whether the Python-stack path
+   does, and what NCCL did with the lone barrier (paired with rank 1's next all-reduce,
+   or hung). With one GPU it says the 2-rank runs need 2 GPUs and were not run.
 
 One summary line per figure (``gpu-check:``). No time is asserted; ``--record`` appends
 a dated section with the summary lines to ``bench/results.md``.
 
-Exit codes: 0 every step-(a) assertion held (the figures are printed, not judged);
-1 a step-(a) assertion failed or a run failed; 77 no CUDA device, nothing was checked
+Exit codes: 0 every step-(a) and step-(d) assertion held (the figures are printed, not
+judged); 1 an assertion failed or a run failed; 77 no CUDA device, nothing was checked
 (77 is the usual "skipped" code, so a caller can tell "passed" from "not run").
 
 ``--allow-cpu`` (hidden) runs the same code on the CPU with gloo at tiny sizes, so the
@@ -41,6 +50,7 @@ script is known to work before a GPU is ever lent; its figures mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import io
 import json
@@ -313,6 +323,231 @@ def bare_speed(
     return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
 
 
+# -- step d: a hang on NCCL, named by the flight recorder ---------------------------------
+
+HANG_SCRIPT = HERE / "nccl_hang.py"
+HANG_LIMIT = 10.0  # seconds a collective stays pending before the recorder's path calls it a wait
+HANG_PG_TIMEOUT = 60  # the scripts' process-group timeout: NCCL's watchdog ends what is missed
+HANG_START_SECONDS = 90.0  # a 2-rank run that has not reached its mistake by then is stopped
+HANG_RUN_SECONDS = 25.0  # and one that has, this long after the mistake, named or not
+HANG_GRACE = 6.0  # once the recorder named it, how long the stack path may still name it
+HANG_MODES = {
+    "barrier": ("lone barrier", "d lone barrier"),
+    "uneven": ("extra step", "d uneven steps"),
+}
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    """What the ranks of nccl_hang.py noted (events-<rank>.jsonl), in time order."""
+    out = []
+    for path in sorted(run_dir.glob("events-*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return sorted(out, key=lambda e: e["time"])
+
+
+def nccl_summaries(run_dir: Path) -> dict[int, dict | None]:
+    """Each rank's latest snapshot's ``"nccl"`` (``ddpnb.watch.nccl_collectives``)."""
+    from ddpnb.hang import WATCH_DIR
+    from ddpnb.metrics import read_json
+
+    records = [read_json(p) for p in (run_dir / WATCH_DIR).glob("rank-*.json")]
+    return {r["rank"]: r.get("nccl") for r in records if r}
+
+
+def launch_hang_script(work: Path, mode: str, backend: str, nproc: int, wait: bool):
+    script = ddpnb.Script(str(HANG_SCRIPT), args=[mode, backend, str(HANG_PG_TIMEOUT)])
+    return ddpnb.launch(
+        script,
+        work / f"hang-{mode}",
+        nnodes=1,
+        nproc_per_node=nproc,
+        wait=wait,
+        overwrite=True,
+        progress="none",
+        hang_timeout=HANG_LIMIT,
+        on_hang="wait",  # ddpnb's verdict is read, the run kept, until both paths had their say
+        env={"DDPNB_WATCH_INTERVAL": "0.5"},
+    )
+
+
+def hang_run(work: Path, mode: str, backend: str) -> dict:
+    """Run nccl_hang.py ``mode`` on 2 ranks; when the recorder, and the stack path, named it."""
+    from ddpnb.errors import RunFailed
+    from ddpnb.hang import nccl_waits
+
+    t0 = time.time()
+    job = launch_hang_script(work, mode, backend, 2, wait=False)
+    seen: dict = {"recorder": None, "stack": None, "ended": None, "ended_at": None, "last": None}
+    seen["stop_at"] = t0 + HANG_START_SECONDS
+    mistake = HANG_MODES[mode][0]
+    try:
+        while time.time() < seen["stop_at"]:
+            if start := next((e for e in read_events(job.run_dir) if e["what"] == mistake), None):
+                seen["stop_at"] = start["time"] + HANG_RUN_SECONDS
+            try:
+                job.wait(timeout=0.5)
+                seen["ended"], seen["ended_at"] = "the run finished (exit 0)", time.time()
+                break
+            except TimeoutError:
+                pass
+            except RunFailed as e:  # NCCL's watchdog, or a crash
+                seen["ended"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                seen["ended_at"] = time.time()
+                break
+            now = time.time()
+            if seen["stack"] is None and job.waiting is not None and job.waiting.kind == "hang":
+                seen["stack"] = (now, job.waiting.cause)
+            summaries = nccl_summaries(job.run_dir)
+            seen["last"] = waits = nccl_waits(summaries, HANG_LIMIT)
+            if seen["recorder"] is None and waits.waiting and not waits.free:
+                seen["recorder"] = (now, waits, summaries)
+            named = seen["recorder"]
+            if named and (seen["stack"] or now - named[0] > HANG_GRACE):
+                break
+    finally:
+        with contextlib.suppress(Exception):
+            job.stop()
+    return {**seen, "t0": t0, "events": read_events(job.run_dir)}
+
+
+def hang_lines(mode: str, run: dict) -> list[str]:
+    """The summary lines of one 2-rank hang run: named by whom, when, and what NCCL did."""
+    mistake, name = HANG_MODES[mode]
+    events = run["events"]
+    start = next((e["time"] for e in events if e["what"] == mistake), None)
+    if start is None:
+        return [f"{name}: the run never reached its mistake ({run['ended'] or 'no events'})"]
+    lines = []
+    if run["recorder"]:
+        t, w, _ = run["recorder"]
+        where = "in different collectives" if w.apart else "in the same collective"
+        lines.append(
+            f"{name}: named by the flight recorder {t - start:.1f} s after the mistake "
+            f"(limit {HANG_LIMIT:g} s): ranks {list(w.waiting)} wait {where}; "
+            + "; ".join(f"rank {r}: {at}" for r, at in w.at.items())
+            + (f"; no summary from ranks {list(w.unknown)}" if w.unknown else "")
+        )
+    else:
+        w = run["last"]
+        view = "; ".join(f"rank {r}: {at}" for r, at in w.at.items()) if w else "no snapshot"
+        until = run["ended_at"] or run["stop_at"]
+        lines.append(
+            f"{name}: NOT named by the flight recorder "
+            f"{'before the run ended' if run['ended_at'] else 'before it was stopped'}, "
+            f"{until - start:.0f} s after the mistake; its last view: {view or 'no NCCL summary'}"
+        )
+    stack = run["stack"]
+    said = f"named it ({stack[1]}) {stack[0] - start:.1f} s after the mistake" if stack else ""
+    said = said or "did not name it"
+    lines.append(f"{name}: the Python-stack path (ddpnb's verdict today) {said}")
+    lines.append(f"{name}: what the ranks did: {what_happened(events, start)}")
+    if mode == "barrier":
+        lines.append(f"{name}: what NCCL did with it: {barrier_pairing(events, run['recorder'])}")
+    if run["ended"]:
+        lines[-1] += f"; the run ended by itself: {run['ended']}"
+    return lines
+
+
+def barrier_pairing(events: list[dict], recorder: tuple | None) -> str:
+    """Whether NCCL paired rank 0's lone barrier with rank 1's next collective, or it hung."""
+    if any(e["what"] == "lone barrier returned" for e in events):
+        return (
+            "the barrier returned: NCCL paired it with one of rank 1's collectives and the "
+            "run went on with wrong partners (see where it hung above)"
+        )
+    summaries = recorder[2] if recorder else {}
+    oldest = {r: ((s or {}).get("pending") or [None])[0] for r, s in summaries.items()}
+    p0, p1 = oldest.get(0), oldest.get(1)
+    if p0 and p1 and (p0["pg"], p0["seq"]) == (p1["pg"], p1["seq"]):
+        return (
+            f"paired: rank 0's {p0['op']} #{p0['seq']} ({elements(p0['size'])}) met rank 1's "
+            f"{p1['op'].strip()} #{p1['seq']} ({elements(p1['size'])}), and neither completed"
+        )
+    if p0 and p1:
+        return f"not paired by number: rank 0 waits at #{p0['seq']}, rank 1 at #{p1['seq']}"
+    return "the barrier never returned (the recorder did not show both ranks waiting)"
+
+
+def elements(n: int) -> str:
+    return f"{n} element{'' if n == 1 else 's'}"
+
+
+def what_happened(events: list[dict], start: float) -> str:
+    """Each rank's steps and last note; whether rank 0's lone barrier ever returned."""
+    parts = []
+    back = [e for e in events if e["what"] == "lone barrier returned"]
+    if any(e["what"] == "lone barrier" for e in events):
+        returned = f"returned after {back[0]['time'] - start:.2f} s" if back else "never returned"
+        parts.append(f"rank 0's lone barrier {returned}")
+    for r in (0, 1):
+        mine = [e for e in events if e["rank"] == r]
+        steps = sum(e["what"] == "step" for e in mine)
+        last = mine[-1]["what"] if mine else "nothing"
+        parts.append(f"rank {r} {steps} steps, last noted '{last}'")
+    return "; ".join(parts)
+
+
+def single_line(work: Path, backend: str) -> str:
+    """The recorder read on one rank: a completed all_reduce, a pending one, the read's cost."""
+    run = launch_hang_script(work, "single", backend, 1, wait=True)
+    (s,) = [e for e in read_events(run.run_dir) if e["what"] == "single"]
+    return single_summary(s)
+
+
+def single_summary(s: dict) -> str:
+    """Check what nccl_hang.py's ``single`` read (CheckFailed if wrong); its summary line."""
+    done, pending, after = s["completed"], s["pending"], s["after"]
+    check(isinstance(done, dict) and "error" not in done, f"the recorder read failed: {done}")
+    check(not done["pending"], f"a completed all_reduce read as pending: {done['pending']}")
+    check(
+        all(e == c for e, c in done["groups"].values()) and done["groups"],
+        f"enqueued and completed differ after a synchronize: {done['groups']}",
+    )
+    newest = s["newest"] or {}
+    check(
+        newest == {"profiling_name": "nccl:all_reduce", "state": "completed"},
+        f"the ring's newest entry: {newest}",
+    )
+    held = (pending.get("pending") or [{}])[0]
+    check(
+        (held.get("op"), held.get("size")) == ("nccl:all_reduce", 1000),
+        f"an all_reduce behind a GPU sleep did not read as pending: {pending}",
+    )
+    check(not after["pending"], f"still pending after a synchronize: {after['pending']}")
+    return (
+        f"d flight recorder read, world size 1: ok: a completed all_reduce reads as completed "
+        f"(newest entry {newest['profiling_name']} {newest['state']}, nothing pending, "
+        f"group 0 at #{done['groups'].get('0')}); one behind a GPU sleep reads as pending "
+        f"({held['op']} #{held['seq']}, {held['size']} elements, {held['state']}, "
+        f"{held['for'] * 1e3:.0f} ms); a read with {s['ring']} collectives in the ring takes "
+        f"{s['read_ms']:.2f} ms (median of 20)"
+    )
+
+
+def step_d(work: Path, ngpu: int, cuda: bool, lines: list[str]) -> None:
+    """Step (d); each line is appended to ``lines`` as it is made."""
+
+    def emit(line: str) -> None:
+        lines.append(line)
+        say(f"gpu-check: {line}")
+
+    if cuda:
+        emit(single_line(work, "nccl"))
+    else:
+        emit("d flight recorder read: not run (--allow-cpu: NCCL's recorder needs a GPU)")
+    if ngpu < 2:
+        emit(
+            f"d 2-rank hang (lone barrier, uneven steps): not run: it needs 2 GPUs, "
+            f"this machine has {ngpu}"
+        )
+        return
+    for mode in HANG_MODES:
+        for line in hang_lines(mode, hang_run(work, mode, "nccl" if cuda else "gloo")):
+            emit(line)
+
+
 # -- the run ----------------------------------------------------------------------------
 
 
@@ -443,7 +678,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes (about half the time)")
     p.add_argument("--record", action="store_true", help="append the figures to bench/results.md")
-    p.add_argument("--only", choices=["a", "ab"], help="run step a alone, or a and b (no c)")
+    p.add_argument(
+        "--only", choices=["a", "ab", "d"], help="run step a alone, a and b, or d (the hang) alone"
+    )
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     p.add_argument("--work", type=Path, help="keep the runs here (default: a temporary folder)")
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
@@ -467,10 +704,13 @@ def main(argv: list[str] | None = None) -> int:
     lines: list[str] = []
     code = EXIT_OK
     try:
-        step_a(work, ngpu, cuda, args.quick, lines)
-        if args.only != "a":
+        if args.only != "d":
+            step_a(work, ngpu, cuda, args.quick, lines)
+        if args.only in (None, "ab"):
             ngpu_c = 1 if args.only == "ab" else ngpu
             steps_b_c(work, ngpu_c, cuda, args.quick, args.peak_tflops, lines)
+        if args.only in (None, "d"):
+            step_d(work, ngpu, cuda, lines)
     except Exception as e:  # a failed check or run: say which, keep what was measured
         lines.append(f"FAILED: {type(e).__name__}: {e}".splitlines()[0])
         say(f"gpu-check: FAILED: {type(e).__name__}: {e}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 import time
@@ -9,8 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import NodeLost, RendezvousTimeout, RunFailed, RunStalled, WorkerFailed
+from .hang import Frame, RankState, read_ranks
 from .metrics import load_metrics, read_json, read_progress
 from .topology import Topology
+from .watch import HOOKS_DIR
 
 SECONDARY_ERRORS = (  # messages of ranks that failed only because a peer died first
     "Connection closed by peer",
@@ -20,14 +23,117 @@ SECONDARY_ERRORS = (  # messages of ranks that failed only because a peer died f
     "this node is lost",  # the worker of a killed agent stopping itself
 )
 GRACE_SECONDS = 30  # seconds past its own limits before a silent run is called stuck
+READ_BYTES = 1 << 20  # of a worker's log, its last MiB is read: a GB log is diagnosed in ms
+
+
+@dataclasses.dataclass(frozen=True)
+class Known:
+    """An error DDP users meet, found by its own words in a worker's output."""
+
+    cause: str  # its name, e.g. "collective_mismatch" (WorkerFailed.cause)
+    pattern: re.Pattern
+    means: str
+    fix: str
+
+
+def _known(cause: str, pattern: str, means: str, fix: str) -> Known:
+    return Known(cause, re.compile(pattern), means, fix)
+
+
+# The errors DDP users report most, in the order they are looked for (first match wins).
+KNOWN = (
+    _known(
+        "collective_mismatch",
+        r"collective mismatch|Received data size doesn't match expected size",
+        "the ranks called different collectives, or the same one with tensors of different "
+        "sizes: a rank had more batches than another (uneven inputs), or a collective runs "
+        "on some ranks only",
+        "give every rank the same number of steps (DistributedSampler, drop_last=True, or "
+        "torch.distributed.algorithms.Join) and call every collective on every rank, in the "
+        "same order",
+    ),
+    _known(
+        "unused_parameters",
+        r"Expected to have finished reduction in the prior iteration",
+        "some parameters got no gradient in a step (the loss does not use them: an unused "
+        "head or branch), so DDP's all-reduce of the previous step never finished",
+        "use every parameter in the loss, or freeze the unused ones (requires_grad_(False)) "
+        "before wrapping; DDP(model, find_unused_parameters=True) also works, at the cost "
+        "of a walk over the autograd graph every step, and can hide a real bug",
+    ),
+    _known(
+        "shared_memory",
+        r"Bus error|No space left on device|unable to (write to|allocate shared memory)",
+        "shared memory (/dev/shm) is full: DataLoader workers pass batches through it (a "
+        "container's default is 64 MB)",
+        "a larger /dev/shm (docker run --shm-size=2g; Kubernetes: an emptyDir of medium "
+        "Memory on /dev/shm), or DataLoader(num_workers=0)",
+    ),
+    _known(
+        "out_of_memory",
+        r"out of memory|OutOfMemoryError|DefaultCPUAllocator: can't allocate|bad_alloc",
+        "a rank ran out of memory",
+        "a smaller batch_size per rank (the global batch is batch_size x world_size), fewer "
+        "processes per node, or gradient accumulation",
+    ),
+    _known(
+        "nccl_timeout",
+        r"Watchdog caught collective operation timeout",
+        "a NCCL collective did not complete within the process group's timeout: the ranks "
+        "called different collectives, or a rank stopped",
+        "call every collective on every rank in the same order; ddpnb's stacks and NCCL's "
+        "flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) show where each rank was",
+    ),
+    _known(
+        "nccl",
+        r"NCCL error|nccl(UnhandledCuda|System|Internal|Remote|InvalidUsage|InvalidArgument)",
+        "NCCL failed",
+        "NCCL_DEBUG=INFO shows the transport and interface NCCL chose; NCCL_SOCKET_IFNAME "
+        "names the interface every node can reach",
+    ),
+    _known(
+        "cuda",
+        r"CUDA error|CUDA kernel errors|invalid device ordinal",
+        "a CUDA error",
+        "CUDA_LAUNCH_BLOCKING=1 makes CUDA report it at the line that caused it",
+    ),
+)
+_RANK_PREFIX = re.compile(r"^\[(default)?(rank)?\d+\]:?\s?")
+_CPP_PREFIX = re.compile(r"^\s*\[(enforce fail at )?[^\]\s]*\.(cc|cpp|h|hpp):\d+\]\s*")
+
+
+def read_end(path: Path, limit: int = READ_BYTES) -> str:
+    """The last ``limit`` bytes of a file as text ("" when it cannot be read); binary is kept."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode(errors="replace").replace("\0", "")
+    except OSError:
+        return ""
+
+
+def first_error(text: str) -> tuple[str, Known | None]:
+    """The output's first line that names its error, in its own words, and what it is."""
+    lines = [_RANK_PREFIX.sub("", line) for line in text.splitlines()]
+    for known in KNOWN:
+        if hit := next((ln for ln in lines if known.pattern.search(ln)), None):
+            hit = _CPP_PREFIX.sub("", hit.split("what():", 1)[-1])
+            if "<=" in hit or " vs " in hit:  # gloo's enforce: its condition, then its words
+                hit = hit[known.pattern.search(hit).start() :]
+            return hit.strip(), known
+    for i, line in enumerate(lines):
+        if line.startswith("terminate called after throwing"):
+            what = next((ln for ln in lines[i + 1 : i + 3] if "what():" in ln), line)
+            return _CPP_PREFIX.sub("", what.split("what():", 1)[-1]).strip(), None
+        if line.startswith(("terminate called", "Fatal Python error:")):
+            return line.strip(), None
+    return "", None
 
 
 def tail(path: Path, lines: int = 20) -> str:
     """The last ``lines`` lines of a text file ("" when it cannot be read)."""
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+    return "\n".join(read_end(Path(path), 64 * 1024).splitlines()[-lines:])
 
 
 def log_tail(run_dir: Path, node: int, lines: int = 20) -> str:
@@ -39,11 +145,13 @@ def read_error_file(path: Path) -> dict | None:
     """torchrun's ``error.json`` (written by ``@record``) as its message and traceback."""
     msg = read_json(path).get("message")
     if isinstance(msg, str):
-        return {"message": msg, "traceback": ""}
+        msg = {"message": msg}
     if not isinstance(msg, dict):
         return None
     traceback = msg.get("extraInfo", {}).get("py_callstack", "")
-    return {"message": msg.get("message", "").strip(), "traceback": traceback}
+    text = str(msg.get("message", "")).strip()
+    known = first_error(text)[1]
+    return {"message": (text.splitlines() or [""])[0], "traceback": traceback, "known": known}
 
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)$', re.M)
@@ -53,7 +161,7 @@ def script_line(traceback: str, run_dir: Path) -> str:
     """`` at train.py:12 in step`` for the traceback's innermost frame of the script's files."""
     frames = [m for m in _FRAME.finditer(traceback) if "site-packages" not in m.group(1)]
     folder = str(Path(run_dir).resolve()) + "/"
-    mine = [m for m in frames if m.group(1).startswith(folder)] or frames
+    mine = [m for m in frames if _mine(m.group(1), folder)] or frames
     if not mine:
         return ""
     path, line, func = mine[-1].groups()
@@ -76,18 +184,80 @@ def failed_ranks(run_dir: Path, node: int, lines: int = 400) -> list[dict]:
 
 
 def stderr_traceback(path: Path) -> dict | None:
-    """A worker's last traceback in its ``stderr.log`` (for scripts without ``@record``)."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return None
-    lines = [re.sub(r"^\[rank\d+\]:\s?", "", line) for line in text.splitlines()]
+    """A worker's error in its ``stderr.log`` (for scripts without ``@record``): its last Python
+    traceback headed by the exception's first line, else an abort's own first error line."""
+    text = read_end(path)
+    lines = [_RANK_PREFIX.sub("", line) for line in text.splitlines()]
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call")]
-    if not starts:
+    said, known = first_error(text)
+    if starts:
+        block = lines[starts[-1] :]
+        # The exception's first line: the first one after the frames not indented.
+        said = next((ln for ln in block[1:] if ln.strip() and not ln[0].isspace()), said)
+        if not said.rstrip().endswith((".", "?", "!", ":")) and ". " in said:
+            said = said[: said.rindex(". ") + 1]  # torch wraps long messages mid-sentence
+        return {"message": said.strip(), "traceback": "\n".join(block), "known": known}
+    if not said:
         return None
-    block = lines[starts[-1] :]
-    message = next((line for line in reversed(block) if line.strip()), "")
-    return {"message": message.strip(), "traceback": "\n".join(block)}
+    return {"message": said, "traceback": "", "known": known, "stack": fault_stack(lines)}
+
+
+_FAULT_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
+
+
+def fault_stack(lines: list[str]) -> list[tuple[str, int, str]]:
+    """The main thread's frames (outermost first) in faulthandler's dump, when one was printed:
+    the thread whose outermost frame runs a module (the script)."""
+    blocks, current = [], None
+    for line in lines:
+        if re.match(r"^(Current thread|Thread) 0x", line):
+            current = []
+            blocks.append(current)
+        elif current is not None and (m := _FAULT_FRAME.match(line)):
+            current.append((m[1], int(m[2]), m[3]))
+    main = [b[::-1] for b in blocks if b and b[-1][2] == "<module>"]
+    return main[0] if main else []
+
+
+def positions(run_dir: Path, found: list) -> str:
+    """``rank 0 in all_reduce at x.py:21 (...); rank 1 ...``: each failed rank's last line."""
+    return "; ".join(
+        f"rank {s.rank} in {s.waits_in or 'its script'} at {s.where()}"
+        for s in rank_states(run_dir, found)
+    )
+
+
+def rank_states(run_dir: Path, found: list) -> list[RankState]:
+    """Each failed rank (``found``: :func:`worker_errors`) where its traceback or faulthandler's
+    dump left it, by rank; ranks whose frames show none of the script's lines are left out."""
+    folder = str(Path(run_dir).resolve()) + "/"
+    out = []
+    for _, _node, rank, info in sorted(found, key=lambda e: e[2]):
+        stack = info.get("stack") or [
+            (m[1], int(m[2]), m[3]) for m in _FRAME.finditer(info["traceback"])
+        ]
+        frames = tuple(
+            Frame(p[len(folder) :] if p.startswith(folder) else p, n, fn, _source(p, n), mine)
+            for p, n, fn in stack
+            for mine in [_mine(p, folder)]
+        )
+        state = RankState(rank, 0, "", 0, "running", 0.0, 0, True, frames, 0.0)
+        if state.mine is not None:
+            out.append(state)
+    return out
+
+
+def _mine(path: str, folder: str) -> bool:
+    """A file of the user's, in the run directory: not torch's, nor ddpnb's hooks (.ddpnb/)."""
+    ours = path.startswith(folder + HOOKS_DIR + "/")  # the watch's and the check's wrappers
+    return path.startswith(folder) and "site-packages" not in path and not ours
+
+
+def _source(path: str, line: int) -> str:
+    try:
+        return Path(path).read_text(errors="replace").splitlines()[line - 1].strip()[:120]
+    except (OSError, IndexError):
+        return ""
 
 
 def worker_errors(
@@ -108,7 +278,8 @@ def worker_errors(
                 continue
             local = int(folder.name)
             rank = summary.get(local, node * nproc_per_node + local)
-            secondary = any(w in info["message"] for w in SECONDARY_ERRORS)
+            info["path"], known = path, info.get("known")
+            secondary = known is None and any(w in info["message"] for w in SECONDARY_ERRORS)
             errors.append(((secondary, path.stat().st_mtime), node, rank, info))
     return sorted(errors, key=lambda e: e[0])
 
@@ -200,6 +371,54 @@ def lost_node(
     )
 
 
+def died_after_end(run_dir: Path, topology: Topology, nodes: Sequence[int], since: float) -> str:
+    """A warning when every rank's script ended cleanly (the watch's record at exit) and the
+    ranks that failed died of a signal afterwards, as the interpreter finalised; else ""."""
+    ranks = read_ranks(run_dir, since)
+    if len(ranks) != topology.world_size or not all(r.state == "ended" and r.clean for r in ranks):
+        return ""
+    died = [(n, r) for n in nodes for r in failed_ranks(run_dir, n)]
+    if not died or any(r["exit_code"] >= 0 for _, r in died):
+        return ""
+    said = worker_errors(run_dir, nodes, topology.nproc_per_node, since)
+    said = {rank: info["message"] for _, _, rank, info in said}
+    parts = []
+    for node, r in died:
+        words = f" ({said[r['rank']]})" if said.get(r["rank"]) else ""
+        parts.append(
+            f"worker global rank {r['rank']} on node {node} was killed by "
+            f"{_signal(r['exit_code'])}{words}"
+        )
+    return (
+        f"The run finished: every rank's script ended, then {'; '.join(parts)} as its "
+        "interpreter exited. Nothing of the run's output is lost. An abort at exit after "
+        "destroy_process_group is a known teardown race of the process group's threads "
+        "(gloo: 'terminate called without an active exception'), not a failure of the training."
+    )
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return text if text.endswith((".", "?", "!")) else text + "."
+
+
+def _signal(code: int) -> str:
+    return signal.Signals(-code).name if -code in set(signal.Signals) else f"signal {-code}"
+
+
+def _meaning(known: Known | None, run_dir: Path, errors: list) -> str:
+    """What a known error means, where each rank was (a mismatch), and the fix."""
+    if known is None:
+        return ""
+    where = positions(run_dir, errors) if known.cause == "collective_mismatch" else ""
+    where = f" Where the ranks were: {where}." if where else ""
+    unused = re.search(
+        r"^Parameter(s| indices) which did not receive grad[^\n]*", errors[0][3]["traceback"], re.M
+    )
+    where += f" {_sentence(unused[0])}" if unused else ""
+    return f"{where} This means {known.means}. Fix: {known.fix}."
+
+
 def diagnose_failure(
     run_dir: Path,
     topology: Topology,
@@ -214,29 +433,35 @@ def diagnose_failure(
     node = min(failed)
     killed = [(n, r["rank"], r["exit_code"]) for n in local_nodes for r in failed_ranks(run_dir, n)]
     killed = [k for k in killed if k[2] < 0]  # a worker killed by a signal
-    if killed and (not errors or errors[0][0][0]):  # nothing but secondary errors
+    killed_first = killed and (not errors or errors[0][0][0])  # nothing but secondary errors
+    if killed_first:
         node, rank, code = killed[0]
-        name = signal.Signals(-code).name if -code in set(signal.Signals) else f"signal {-code}"
-        how = f"was killed by {name} (exit code {code}); the other ranks failed because it was gone"
+        how = f"was killed by {_signal(code)} (exit code {code}); the other ranks failed because "
+        how += "it was gone."
         traceback = ""
     elif errors:
         _, node, rank, info = errors[0]
         summary = failed_ranks(run_dir, node, 200)
         code = next((r["exit_code"] for r in summary if r["rank"] == rank), None)
         traceback, line = info["traceback"], script_line(info["traceback"], run_dir)
-        how = f"failed (exit code {code}){line}: {info['message']}"
+        how = f"failed (exit code {code}){line}: {_sentence(info['message'])}"
+        if code is not None and code < 0:
+            how = f"was killed by {_signal(code)} (exit code {code}): {_sentence(info['message'])}"
+        how += _meaning(info.get("known"), run_dir, errors)
     if killed or errors:
+        known = errors[0][3].get("known") if errors and not killed_first else None
         return WorkerFailed(
-            f"Worker global rank {rank} on node {node} {how}. The other nodes were stopped.",
+            f"Worker global rank {rank} on node {node} {how} The other nodes were stopped.",
             node_rank=node,
             global_rank=rank,
             exit_code=code,
             traceback=traceback,
-            log_tail=log_tail(run_dir, node),
+            log_tail=log_tail(run_dir, node) if killed_first else tail(errors[0][3]["path"]),
+            cause=known.cause if known else None,
         )
-    tail = log_tail(run_dir, node, 200)
-    joined = re.search(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+)", tail)
-    if joined or "RendezvousTimeoutError" in tail:
+    text = log_tail(run_dir, node, 200)
+    joined = re.search(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+)", text)
+    if joined or "RendezvousTimeoutError" in text:
         counted = f" ({joined.group(1)} of {joined.group(2)} nodes joined)" if joined else ""
         how = f"timed out after {topology.rdzv_timeout} s{counted}"
         kw = {"node_rank": node, "exit_code": failed[node], "log_tail": log_tail(run_dir, node, 5)}

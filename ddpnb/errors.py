@@ -51,6 +51,9 @@ class RunFailed(DdpnbError):
     exit_code: int | None = None  # how it ended (None if unknown)
     traceback = ""  # the failing worker's traceback
     log_tail = ""  # the last lines of its node's log
+    cause: str | None = (
+        None  # a known error's name (ddpnb.diagnosis.KNOWN), e.g. "unused_parameters"
+    )
 
     def __init__(self, message: str, **fields: Any) -> None:
         super().__init__(message, **fields)

@@ -51,6 +51,13 @@ WORK = (
 )
 
 
+def nccl_pending(summary: dict | None) -> dict | None:
+    """The oldest NCCL collective not completed in a rank's recorder summary; None if none."""
+    if not isinstance(summary, dict) or "error" in summary:
+        return None
+    return (summary.get("pending") or [None])[0]
+
+
 def _match(paths: list[tuple[str, str]], table: tuple) -> str | None:
     """The name in the first row of ``table`` that a (path, function) of ``paths`` matches."""
     for part, fns, name in table:
@@ -89,6 +96,8 @@ class RankState:
     # seconds without a step, a change of stack or the main thread computing (None: not measured)
     idle: float | None = None
     interval: float = 2.0  # seconds between the rank's snapshots
+    clean: bool = False  # ended without an uncaught exception (its script's work is done)
+    nccl: dict | None = None  # NCCL's flight recorder in brief (ddpnb.watch.nccl_collectives)
 
     @property
     def computing(self) -> bool:
@@ -114,7 +123,15 @@ class RankState:
 
     @property
     def waits_in(self) -> str | None:
-        """The collective this rank waits in, as a reader names it; None when it is not in one."""
+        """The collective this rank waits in, as a reader names it; None when it is not in one.
+        On NCCL the flight recorder's oldest pending collective (the stack sits elsewhere)."""
+        if isinstance(self.nccl, dict) and "error" not in self.nccl:
+            p = nccl_pending(self.nccl)
+            return (
+                None
+                if p is None
+                else f"NCCL's {p.get('op')} #{p.get('seq')} ({p.get('size')} elements)"
+            )
         paths = self._paths()
         public = (fn for p, fn in paths if p.endswith(C10D) and not fn.startswith("_"))
         named = _match(paths, COLLECTIVES) or next(public, None)
@@ -292,9 +309,13 @@ def read_ranks(run_dir: str | os.PathLike, since: float = 0.0) -> list[RankState
         if state == "running" and age > max(STALE_SECONDS, 4 * r.get("interval", 2)):
             state = "silent"
         fields = {k: r[k] for k in ("rank", "node", "host", "pid", "steps", "process_group")}
-        fields["interval"] = r.get("interval", 2.0)
+        fields["interval"], fields["clean"] = r.get("interval", 2.0), r.get("clean", False)
         late = age if state == "running" else 0.0
         still, idle = r["still"] + late, r.get("idle", r["still"]) + late
+        fields["nccl"] = r.get("nccl")
+        pending = nccl_pending(fields["nccl"])
+        if pending is not None:  # on NCCL waiting is the recorder's: a spinning sync computes
+            idle = float(pending.get("for", 0.0)) + late
         frames = tuple(Frame(*f) for f in r.get("stack", []))
         out.append(RankState(**fields, state=state, still=still, frames=frames, age=age, idle=idle))
     return out
@@ -396,3 +417,67 @@ def _gone(r: RankState) -> RankState:
         except OSError:  # another user's process has its pid: it runs
             pass
     return r
+
+
+# -- NCCL: what the flight recorder says (each snapshot's "nccl": watch.nccl_collectives) ----
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclWaits:
+    """Where the ranks' NCCL collectives stand (:func:`nccl_waits`)."""
+
+    waiting: tuple[int, ...]  # a collective not completed for >= limit seconds
+    free: tuple[int, ...]  # nothing pending that long: computing, or between collectives
+    unknown: tuple[int, ...]  # no summary: not NCCL, no snapshot, the recorder off or failing
+    apart: bool  # the waiting ranks wait in different collectives
+    pending_for: dict[int, float]  # seconds the oldest pending collective has waited (0: none)
+    at: dict[int, str]  # each known rank's oldest pending collective, or its last ones
+
+
+def nccl_waits(summaries: dict[int, dict | None], limit: float) -> NcclWaits:
+    """Which ranks wait in an NCCL collective, and whether in the same one.
+
+    ``summaries``: each rank's snapshot's ``"nccl"`` (``ddpnb.watch.nccl_collectives``), by
+    rank. A rank waits when its oldest collective not completed was enqueued ``limit``
+    seconds ago or more (its Python stack and CPU time say nothing on NCCL). Waiting ranks
+    are apart when their oldest pending collectives differ in process group, sequence id
+    (one rank reached a collective the other did not), op or size: NCCL pairs collectives
+    by their order alone, so a barrier on one rank pairs with the other's next all-reduce.
+
+    >>> barrier = {"pg": "0", "seq": 7, "op": "nccl:all_reduce_barrier", "size": 1, "for": 70.0}
+    >>> nccl_waits({0: {"groups": {"0": [7, 6]}, "pending": [barrier]}, 1: None}, 60).waiting
+    (0,)
+    """
+    known = {r: s for r, s in summaries.items() if isinstance(s, dict) and "error" not in s}
+    oldest = {r: (s.get("pending") or [None])[0] for r, s in known.items()}
+    waited = {r: float(p["for"]) if p else 0.0 for r, p in oldest.items()}
+    waiting = sorted(r for r in known if oldest[r] and waited[r] >= limit)
+    keys = {_nccl_key(oldest[r]) for r in waiting}
+    return NcclWaits(
+        waiting=tuple(waiting),
+        free=tuple(sorted(r for r in known if r not in waiting)),
+        unknown=tuple(sorted(r for r in summaries if r not in known)),
+        apart=len(keys) > 1,
+        pending_for=waited,
+        at={r: _nccl_at(oldest[r], known[r]) for r in sorted(known)},
+    )
+
+
+def _nccl_key(p: dict) -> tuple:
+    """What makes two ranks' pending collectives one collective: group, number, op, size."""
+    return (p.get("pg"), bool(p.get("p2p")), p.get("seq"), str(p.get("op")).strip(), p.get("size"))
+
+
+def _nccl_at(p: dict | None, summary: dict) -> str:
+    """``nccl:all_reduce #7 (1 element), not completed for 63 s``, or the last ones."""
+    if p is None:
+        groups = summary.get("groups") or {}
+        enqueued, completed = groups.get("0") or next(iter(groups.values()), ["-", "-"])
+        return f"no NCCL collective pending (last enqueued #{enqueued}, completed #{completed})"
+    size = p.get("size", 0)
+    group = "" if p.get("pg") in ("0", None) else f" of group {p['pg']}"
+    p2p = " (p2p)" if p.get("p2p") else ""
+    return (
+        f"{str(p.get('op')).strip()} #{p.get('seq')}{group}{p2p} ({size} element"
+        f"{'' if size == 1 else 's'}), not completed for {float(p.get('for', 0)):.0f} s"
+    )

@@ -6,12 +6,13 @@ import atexit
 import dataclasses
 import re
 import time
+import warnings
 import weakref
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from .diagnosis import check_stalled, diagnose_failure, log_tail, resume_hint
+from .diagnosis import check_stalled, diagnose_failure, died_after_end, log_tail, resume_hint
 from .errors import RunFailed, RunHung, RunInterrupted
 from .hang import Stacks, Verdict, read_ranks, stacks, verdict
 from .metrics import load_metrics, read_progress
@@ -100,6 +101,7 @@ class Job:
         self.started_at = self.started_at or time.time()
         self.ended_at: float | None = None
         self.error: BaseException | None = None
+        self.warnings: list[str] = []  # what went wrong without failing the run
         self.waiting: Verdict | None = None
         self._watched = 0.0
         self._ranks: list = []  # ddpnb.hang.RankState per rank
@@ -235,6 +237,13 @@ class Job:
         if failed := {n: rc for n, rc in codes.items() if rc not in (None, 0)}:
             time.sleep(0.5)  # give the other agents a moment to write their error files
             self.scheduler.fetch()
+            self.scheduler.sync_stacks(False)
+            if note := died_after_end(self.run_dir, self.topology, [*codes], self.started_at):
+                if None in codes.values():  # their ranks ended: torchrun waits for the lost agent
+                    self.scheduler.stop()
+                self.warnings.append(note)
+                warnings.warn(note, RuntimeWarning, stacklevel=5)
+                return True
             error = diagnose_failure(self.run_dir, self._met(), [*codes], failed, self.started_at)
             self.error = self.scheduler.explain(error, failed)
         elif codes and all(rc == 0 for rc in codes.values()):

@@ -31,6 +31,7 @@ STOP_FILE = "stop.json"
 GRACE_SECONDS = 8.0  # after a stop is requested, a rank still running is ended
 EPOCH_WAIT_SECONDS = 3.0  # how long a rank that ended an epoch waits for the others to end it
 MAX_INDICES = 200_000  # indices kept per pass (beyond that, only counted)
+MAX_PARAM_NAMES = 20_000  # parameter names kept per DDP (the reducer's indices beyond: unnamed)
 CHECKSUM_STEPS = (1, 2)
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_object", "gather", "gather_object")
@@ -372,6 +373,23 @@ def _hook_start(obs: _Observer, torch) -> None:
         _patch(mp, name)(spawn)
 
 
+def _reducer_names(ddp) -> list[str] | None:
+    """The names of the parameters DDP's reducer holds, in its order: the indices in its
+    "Parameter indices which did not receive grad" are positions in this list. As torch's
+    DDP._build_params_for_reducer: named_modules, then each module's own parameters that
+    require grad and are not in parameters_to_ignore, the first of shared ones kept."""
+    try:
+        ignore, seen, names = getattr(ddp, "parameters_to_ignore", ()), set(), []
+        for module_name, module in ddp.module.named_modules():
+            for name, p in module.named_parameters(recurse=False):
+                if p.requires_grad and f"{module_name}.{name}" not in ignore and id(p) not in seen:
+                    seen.add(id(p))
+                    names.append(f"{module_name}.{name}".lstrip("."))
+        return names[:MAX_PARAM_NAMES]
+    except Exception:  # a DDP of another torch: the finding then gives indices only
+        return None
+
+
 def _hook_ddp(obs: _Observer, torch) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -381,7 +399,8 @@ def _hook_ddp(obs: _Observer, torch) -> None:
         original(self, module, *args, **kwargs)
         obs.ddp_modules.append(self)
         ids = getattr(self, "device_ids", None)
-        obs.write({"kind": "ddp", "where": obs.where(), "device_ids": ids})
+        params = _reducer_names(self)
+        obs.write({"kind": "ddp", "where": obs.where(), "device_ids": ids, "params": params})
         for i in ids or ():
             obs.write({"kind": "device", "call": "DDP(device_ids=...)", "index": int(i)})
 

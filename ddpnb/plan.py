@@ -17,6 +17,16 @@ from .script import Script
 
 HANG_TIMEOUT = 60.0  # seconds without progress, waiting in a collective
 WATCH_INTERVAL = 2.0  # seconds between a worker's snapshots of its stack
+# NCCL's flight recorder, which the hang watch reads on NCCL (ddpnb.watch.nccl_collectives):
+# a ring of each process's last 2000 collectives, set unless the user set either name (torch
+# reads TORCH_FR_BUFFER_SIZE first; the older TORCH_NCCL_TRACE_BUFFER_SIZE warns on every
+# rank). Its cost: per collective an entry (op, sizes, a reference to the Python stack at the
+# call), at most 2000 kept; on gloo, where torch 2.14 records the same ring, 3000 all_reduces
+# took 36-43 us each with it and without, and memory grew alike. With it, NCCL's timeout also
+# dumps the ring (TORCH_NCCL_DUMP_ON_TIMEOUT, on by default in recent torch) to
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE (default /tmp/nccl_trace_rank_<rank>), which fr_trace reads.
+FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000"}
+FLIGHT_RECORDER_NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +80,8 @@ class Plan:
         """The user's ``env`` and what loads ddpnb's hooks; ``pythonpath``: the node's own."""
         env = {} if self.hang_timeout is None else watch_env(node_dir, WATCH_INTERVAL, pythonpath)
         user = dict(self.env)
+        if env and not any(n in user or n in os.environ for n in FLIGHT_RECORDER_NAMES):
+            env.update(FLIGHT_RECORDER)
         if "PYTHONPATH" in user and "PYTHONPATH" in env:
             user["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], user["PYTHONPATH"]])
         return {**env, **user}

@@ -35,7 +35,14 @@ PROBE_TIMEOUT = 15.0  # seconds a host has to answer the probe
 REMOTE_STOP_SECONDS = 8.0  # a host's agent stops its node within its own grace (5 s)
 SYNC_SECONDS = 2.0  # how often node 0's progress is copied here (one SSH login each)
 STACKS_SYNC_SECONDS = 5.0  # how often the ranks' stacks are copied here (one login per host)
-FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_CPP_LOG")
+FORWARDED_ENV_PREFIXES = (
+    "NCCL_",
+    "GLOO_",
+    "TORCH_NCCL_",
+    "TORCH_FR_",  # the flight recorder's (TORCH_FR_BUFFER_SIZE)
+    "TORCH_DISTRIBUTED_",
+    "TORCH_CPP_LOG",
+)
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -21,7 +21,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from urllib.parse import urlparse
 
-from . import observe, watch
+from . import diagnosis, observe, watch
 from .agent import is_loopback
 from .errors import DdpnbError, RunFailed, RunHung
 from .hang import Frame, RankState
@@ -47,6 +47,7 @@ TITLES = {
     8: "The GPU is picked by the global rank",
     9: "Ranks call different collectives (the run hangs)",
     10: "The script starts its own ranks under torchrun (mp.spawn)",
+    11: "Parameters get no gradient (DDP's unused parameters)",
 }
 WHY = {
     2: "DistributedSampler shuffles with seed + epoch: with the same epoch every epoch "
@@ -68,6 +69,11 @@ WHY = {
     "partners that never come — silent until the process group's timeout (30 minutes on "
     "gloo, 10 on NCCL, by default) — or pairs later calls with the wrong partners, so the run "
     "exchanges the wrong tensors and hangs only epochs later.",
+    11: "DDP all-reduces gradients bucket by bucket, each bucket once all of its parameters "
+    "have their gradient: a parameter the loss does not use never gets one, so its bucket is "
+    "never reduced; the ranks step with their own gradients (the replicas drift apart) and "
+    "DDP raises at the next forward (RuntimeError: 'Expected to have finished reduction in "
+    "the prior iteration').",
     10: "torchrun already starts one process per rank and sets RANK, LOCAL_RANK, WORLD_SIZE, "
     "MASTER_ADDR and MASTER_PORT. A script written for mp.spawn (pytorch/examples' "
     "multigpu.py) starts nnodes x nproc_per_node jobs of its own, each with its own "
@@ -95,6 +101,11 @@ FIX = {
     "all_reduce out of `if rank == 0:`; evaluate on rank 0 through model.module (the plain "
     "model: no DDP collectives), or on every rank with a sharded set; give every rank the "
     "same number of batches (DistributedSampler).",
+    11: "Use those parameters in the loss, or drop them from the model, or freeze them "
+    "(param.requires_grad_(False)) before wrapping it in DDP. Or DDP(model, "
+    "find_unused_parameters=True): DDP then walks the autograd graph after every forward to "
+    "find the parameters that will get no gradient, which costs time every step and also "
+    "hides a parameter left out by mistake.",
     10: "Drop mp.spawn: call main() once; rank = int(os.environ['RANK']), local_rank = "
     "int(os.environ['LOCAL_RANK']), world_size = int(os.environ['WORLD_SIZE']); "
     "dist.init_process_group(backend) without setting MASTER_ADDR or MASTER_PORT.",
@@ -228,7 +239,7 @@ def check_script(
         observe.SECONDS_ENV: str(seconds),
         observe.TIMEOUT_ENV: str(timeout),
     }
-    started, error, hung = time.monotonic(), None, None
+    started, error, hung, failed = time.monotonic(), None, None, None
     try:
         job = launch(script, root / "run", nnodes, nproc_per_node, env=env, **LAUNCH)
         pids = set(job.pids())
@@ -237,7 +248,7 @@ def check_script(
         except RunHung as e:
             hung = e
         except RunFailed as e:
-            error = str(e)
+            error, failed = str(e), e  # analyse turns DDP's own errors (e.cause) into findings
         except TimeoutError:
             job.stop()
             error = (
@@ -247,7 +258,7 @@ def check_script(
             )
         records = load_records(observe_dir)
         pids |= {r["pid"] for rank in records.values() for r in rank if r["kind"] == "start"}
-        report = analyse(records, root / "run", nnodes, nproc_per_node, error, hung)
+        report = analyse(records, root / "run", nnodes, nproc_per_node, error, hung, failed)
     finally:
         if run_dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -354,9 +365,11 @@ def analyse(
     nproc_per_node: int,
     error: str | None = None,
     hung: RunHung | None = None,
+    failed: RunFailed | None = None,
 ) -> ScriptReport:
     """The report of one observed run (``records``: :func:`load_records`): each check below
-    returns its findings and its notes of what it checked."""
+    returns its findings and its notes of what it checked. ``failed``: the run's failure; one
+    whose cause is a DDP mistake (``failed.cause``) is a finding, not an ``error``."""
     ranks = [_Rank(r) for r in records.values() if any(x["kind"] == "start" for x in r)]
     world = nnodes * nproc_per_node
     layout = f"{nnodes} node(s) x {nproc_per_node} process(es)"
@@ -367,6 +380,13 @@ def analyse(
     for check in (*checks, _rendezvous, _spawn, _collectives) if ranks else ():
         out += check(ranks, world, run_dir)
     out += _stall(ranks, hung)
+    aborted = _aborted(ranks, failed, run_dir, nnodes, nproc_per_node)
+    if aborted:  # the run failed of a DDP mistake: a finding; its error's first line, a note
+        error = None
+        out += [f"The run stopped: {str(failed).splitlines()[0]}"]
+        # 11 explains the drifted replicas (3); the abort's 9 has each rank's line
+        drop = {3, 9} if aborted[0].number == 11 else {9}
+        out = [f for f in out if not (isinstance(f, Finding) and f.number in drop)] + aborted
     found = [f for f in out if isinstance(f, Finding)]
     findings = [dataclasses.replace(f, source=_line_text(run_dir, f.where)) for f in found]
     findings.sort(key=lambda f: f.number)
@@ -378,6 +398,70 @@ def analyse(
     unchecked = None if findings or error else _unchecked(ranks)
     facts = _facts(ranks, world, layout)
     return ScriptReport("", layout, findings, facts, checked, ended, error, unchecked=unchecked)
+
+
+def _aborted(
+    ranks: list[_Rank], failed: RunFailed | None, run_dir: Path, nnodes: int, nproc: int
+) -> list[Finding]:
+    """11 or 9 from the run's failure, when its cause (diagnosis.KNOWN) is a DDP mistake."""
+    cause = getattr(failed, "cause", None)
+    if cause == "unused_parameters":
+        return [_unused(ranks, failed, run_dir)]
+    if cause != "collective_mismatch":
+        return []
+    states = diagnosis.rank_states(run_dir, diagnosis.worker_errors(run_dir, range(nnodes), nproc))
+    parts = "; ".join(
+        f"rank {s.rank} in {s.waits_in or 'its script'} at {s.where()}" for s in states
+    )
+    # The line of the rank in a collective of the script's own (an all_reduce, a barrier): where
+    # the ranks' sequences part; the others wait in DDP's all-reduce, at every step's backward.
+    own = [s for s in states if s.waits_in and not s.waits_in.startswith("DDP")]
+    first = (own or states or [None])[0]
+    seen = (
+        "gloo aborted a rank: 'Received data size doesn't match expected size' (a collective "
+        f"mismatch). Where the ranks were: {parts or 'not in the script files'}. "
+        "Collectives of different sizes or kinds met: typically uneven inputs, a rank with more "
+        "batches than another still in DDP's gradient all-reduce while the other has gone on to "
+        "its next collective."
+    )
+    fix = (
+        "Give every rank the same number of batches: DistributedSampler(train_set) (it pads the "
+        "shards to equal length), or drop_last=True, or the same per-epoch step count on every "
+        "rank; with inputs that are uneven by nature, wrap the loop in "
+        "torch.distributed.algorithms.Join([model]). And call every collective on every rank, "
+        "in the same order."
+    )
+    at = first.mine.at if first is not None and first.mine is not None else NOWHERE
+    return [Finding(9, at, seen, fix=fix)]
+
+
+_NO_GRAD = re.compile(r"did not receive grad for rank (\d+): ([\d ]+)")
+
+
+def _unused(ranks: list[_Rank], failed: RunFailed, run_dir: Path) -> Finding:
+    """11: the parameters torch's reducer named by index, by their names (observe's record)."""
+    said = _NO_GRAD.search(failed.traceback or str(failed))
+    rank = int(said[1]) if said else failed.global_rank
+    indices = [int(i) for i in said[2].split()] if said else []
+    ddp = next((d for r in ranks if r.rank == rank for d in r["ddp"]), None)
+    ddp = ddp or next((d for r in ranks for d in r["ddp"]), {})
+    names = ddp.get("params") or []
+    named = [names[i] if i < len(names) else f"index {i}" for i in indices]
+    raised = diagnosis.script_line(failed.traceback, run_dir)
+    seen = (
+        f"DDP raised 'Expected to have finished reduction in the prior iteration'{raised}: "
+        + (
+            f"parameter(s) {', '.join(named)} (the reducer's indices {' '.join(map(str, indices))}"
+            f" on rank {rank}) got no gradient in the step before."
+            if named
+            else "some parameters got no gradient in the step before."
+        )
+        + " Its gradients were never all-reduced: the ranks stepped with their own."
+    )
+    # At the DDP(...) line: both fixes go there (find_unused_parameters=True, or freezing the
+    # parameters just before it); the line that raises is the next step's forward, which is
+    # not where the mistake is, and the loss may be computed in many places.
+    return Finding(11, _at(ddp.get("where")), seen)
 
 
 def _unchecked(ranks: list[_Rank]) -> str | None:

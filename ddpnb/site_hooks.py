@@ -1,6 +1,7 @@
 """Written by ddpnb as RUN_DIR/.ddpnb/sitecustomize.py: starts ddpnb's hooks in a worker, has them
 hook torch once imported, then runs any other sitecustomize. Nothing here may stop the script."""
 
+import faulthandler
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -9,6 +10,13 @@ import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
+# A worker killed by a signal (an abort in C++: gloo, NCCL, CUDA; a segfault; a bus error)
+# prints every thread's Python stack to its stderr: the diagnosis names the line it was at.
+if "RANK" in os.environ and not faulthandler.is_enabled():
+    try:
+        faulthandler.enable(all_threads=True)
+    except Exception:  # no usable stderr
+        pass
 _hooks = []
 for _name in ("ddpnb_watch", "ddpnb_observe"):
     try:

@@ -20,6 +20,7 @@ DIR_ENV = "DDPNB_WATCH"  # the folder for the snapshots; unset: nothing is watch
 INTERVAL_ENV = "DDPNB_WATCH_INTERVAL"  # seconds between snapshots
 MAX_FRAMES = 60  # innermost frames kept
 BUSY = 0.05  # share of a core the main thread used since the last snapshot: it computes
+NCCL_PENDING = 8  # NCCL collectives not completed kept in a snapshot, oldest first
 HOOKS_DIR = ".ddpnb"  # the run directory's folder of ddpnb's hooks (this file among them)
 RUN_DIR = os.path.realpath(os.getcwd()) + os.sep  # the user's files: the working dir at start
 # A line of a user's file that opens its machinery (ddpnb's worker has one): code defined below
@@ -88,6 +89,59 @@ def main_cpu_clock():
         return time.process_time
 
 
+def nccl_collectives(dist) -> dict | None:
+    """NCCL's flight recorder in brief; None unless the process group is NCCL's.
+
+    NCCL's collectives are asynchronous: a rank whose partners never come sits where it next
+    waits for the GPU (``loss.item()``), spinning, so its stack and CPU time say nothing. The
+    recorder (``TORCH_FR_BUFFER_SIZE`` entries) says what it enqueued and what completed:
+    ``groups`` {process group id: [last enqueued, last completed] sequence ids}, ``pending``
+    the oldest collectives not completed ({pg, seq, p2p, op, size: elements, state, for:
+    seconds since enqueued}), ``more`` how many were left off, ``pending_for`` the oldest's
+    seconds. Only those not completed are read (``onlyActive``: the ring is not serialised).
+    Never raises: ``{"error": ...}`` instead (the recorder off among them).
+    """
+    try:
+        if not (dist and dist.is_available() and dist.is_initialized()):
+            return None
+        if "nccl" not in str(dist.get_backend()):  # "nccl", or "cpu:gloo,cuda:nccl"
+            return None
+        names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch's order
+        if int(next(filter(None, map(os.environ.get, names)), 0)) <= 0:
+            return {"error": "the flight recorder is off (TORCH_FR_BUFFER_SIZE unset or 0)"}
+        from torch._C._distributed_c10d import _dump_nccl_trace_json
+
+        trace = json.loads(_dump_nccl_trace_json(includeCollectives=True, onlyActive=True))
+        now, pending = time.time(), []
+        for e in trace.get("entries") or []:  # in the order they were enqueued
+            if e.get("state") == "completed" or e.get("retired"):
+                continue
+            p2p = bool(e.get("is_p2p"))  # send/recv: numbered apart from the collectives
+            pending.append(
+                {
+                    "pg": str(e["pg_id"]),
+                    "seq": e["p2p_seq_id"] if p2p else e["collective_seq_id"],
+                    "p2p": p2p,
+                    "op": e["profiling_name"],
+                    "size": sum(math.prod(s) for s in e.get("input_sizes") or []),
+                    "state": e["state"],  # "scheduled", or "started" (TORCH_NCCL_ENABLE_TIMING)
+                    "for": round(max(0.0, now - e["time_created_ns"] / 1e9), 3),
+                }
+            )
+        status = trace.get("pg_status") or {}
+        return {
+            "groups": {
+                pg: [int(s["last_enqueued_collective"]), int(s["last_completed_collective"])]
+                for pg, s in status.items()
+            },
+            "pending": pending[:NCCL_PENDING],
+            "more": max(0, len(pending) - NCCL_PENDING),
+            "pending_for": pending[0]["for"] if pending else 0.0,
+        }
+    except Exception as e:  # the watch must never stop the script
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
 class _Watch:
     def __init__(self, folder: str, interval: float) -> None:
         self.path = os.path.join(folder, f"rank-{os.environ['RANK']}.json")
@@ -136,6 +190,9 @@ class _Watch:
         record = {
             **self.about,
             "state": state,
+            # At exit: did the script end without an uncaught exception (then any later death,
+            # an abort as the interpreter finalises, comes after its work was done)?
+            "clean": self.ended and getattr(sys, "last_value", None) is None,
             "time": now,
             "still": round(now - self.moved_at, 3),  # seconds without a step or a new stack
             # seconds without a step, a new stack or the main thread computing
@@ -145,6 +202,7 @@ class _Watch:
             "process_group": bool(dist and dist.is_available() and dist.is_initialized()),
             "interval": self.interval,
             "stack": stack,
+            "nccl": nccl_collectives(dist),  # NCCL's own record of its collectives
         }
         tmp = f"{self.path}.{self.pid}.tmp"
         with open(tmp, "w") as f:

@@ -32,6 +32,45 @@ def pytest_configure(config):
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+SLOW_TEST_SECONDS = 30  # a test over this says why in its docstring (tests/README: the budget)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After ``--durations``: seconds per test file (setup, call and teardown), largest first,
+    so the suite's growth shows where it happens."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                name = report.nodeid.split("::")[0]
+                per_file[name] = per_file.get(name, 0.0) + report.duration
+    if not per_file:
+        return
+    total = sum(per_file.values())
+    terminalreporter.write_sep("=", f"seconds per test file ({total / 60:.1f} min in all)")
+    for name, seconds in sorted(per_file.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {name}")
+    unexplained = [
+        (r.duration, r.nodeid)
+        for r in terminalreporter.stats.get("passed", [])
+        if r.when == "call" and r.duration > SLOW_TEST_SECONDS and not _DOCS.get(r.nodeid)
+    ]
+    if unexplained:
+        terminalreporter.write_sep(
+            "=", f"over {SLOW_TEST_SECONDS} s without a docstring saying why"
+        )
+        for seconds, nodeid in sorted(unexplained, reverse=True):
+            terminalreporter.write_line(f"{seconds:8.1f}s  {nodeid}")
+
+
+_DOCS: dict[str, str] = {}  # test id: its function's docstring
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        _DOCS[item.nodeid] = (getattr(item, "function", None) and item.function.__doc__) or ""
+
+
 def make_imagefolder(
     root: Path, train_per_class: int, val_counts: list[int], size: int = 16
 ) -> Path:

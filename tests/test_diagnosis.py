@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
+import pytest
+
+import ddpnb
 from ddpnb.diagnosis import check_stalled, diagnose_failure
 from ddpnb.errors import NodeLost, RendezvousTimeout, RunFailed, RunStalled, WorkerFailed
+from ddpnb.script import Script
 from ddpnb.topology import Topology
+
+FAST = {"DDPNB_WATCH_INTERVAL": "0.5"}
 
 TOPO = Topology(nnodes=2, nproc_per_node=1, master_addr="127.0.0.1", master_port=29500)
 
@@ -75,3 +82,81 @@ def test_the_failing_line_of_the_script_leads(tmp_path):
     )
     assert script_line(tb, run) == " at train.py:12 in train_step"
     assert script_line("no frames here", run) == ""
+
+
+# -- aborts and the errors users meet, named by their own words (real torchrun runs) ----------
+
+HANGS = Path(__file__).with_name("hangs")
+
+
+def run_script(name: str, run_dir: Path):
+    return ddpnb.launch(Script(HANGS / name), run_dir, nnodes=2, env=FAST, progress="none")
+
+
+def line_of(name: str, snippet: str) -> int:
+    lines = (HANGS / name).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if snippet in line)
+
+
+@pytest.mark.slow
+def test_a_collective_mismatch_is_named_by_gloos_words_with_each_ranks_line(tmp_path):
+    """Uneven inputs: gloo aborts rank 0 (SIGABRT); its own line leads, then each rank's line."""
+    with pytest.raises(WorkerFailed) as caught:
+        run_script("uneven_abort.py", tmp_path / "run")
+    err, text = caught.value, str(caught.value)
+    head = text.splitlines()[0]
+    assert err.cause == "collective_mismatch" and err.global_rank == 0 and err.exit_code == -6
+    assert head.startswith("Worker global rank 0 on node 0 was killed by SIGABRT (exit code -6): ")
+    assert "Is there a distributed collective mismatch in your code?" in head
+    reduce_at = line_of("uneven_abort.py", "dist.all_reduce(total)")
+    backward_at = line_of("uneven_abort.py", "loss.backward()")
+    assert f"rank 0 in all_reduce at uneven_abort.py:{reduce_at}" in head
+    assert (
+        f"rank 1 in DDP's gradient all-reduce inside backward at uneven_abort.py:{backward_at}"
+        in head
+    )
+    assert "uneven inputs" in head and "torch.distributed.algorithms.Join" in head
+    assert "ChildFailedError" not in text  # torchrun's banner is not what the user reads
+
+
+@pytest.mark.slow
+def test_unused_parameters_are_headed_by_torchs_first_sentence(tmp_path):
+    with pytest.raises(WorkerFailed) as caught:
+        run_script("unused_head.py", tmp_path / "run")
+    head = str(caught.value).splitlines()[0]
+    assert caught.value.cause == "unused_parameters"
+    assert "RuntimeError: Expected to have finished reduction in the prior iteration" in head
+    assert "Parameter indices which did not receive grad for rank" in head and ": 4 5." in head
+    assert "find_unused_parameters=True" in head and "TORCH_DISTRIBUTED_DEBUG" not in head
+
+
+@pytest.mark.slow
+def test_a_run_whose_ranks_all_ended_then_one_aborts_at_exit_is_finished(tmp_path):
+    """Rank 1 aborts as its interpreter finalises, after destroy_process_group: on purpose."""
+    with pytest.warns(RuntimeWarning, match="The run finished") as said:
+        job = run_script("abort_at_exit.py", tmp_path / "run")
+    assert job.error is None and (tmp_path / "run" / "model.pt").is_file()
+    note = str(said[0].message)
+    assert "worker global rank 1 on node 1 was killed by SIGABRT" in note
+    assert "terminate called without an active exception" in note and job.warnings == [note]
+
+
+def test_a_worker_log_missing_empty_binary_or_huge_is_diagnosed_in_seconds(tmp_path):
+    """Bad input: the diagnosis reads what it can and never raises an error of its own."""
+    logs = tmp_path / "logs"
+    for node, content in enumerate([None, b"", bytes(range(256)) * 64, "huge"]):
+        folder = logs / f"node-{node}" / "none_x" / "attempt_0" / "0"
+        folder.mkdir(parents=True)
+        if content == "huge":  # 4 GB, sparse: only its end is read
+            with open(folder / "stderr.log", "wb") as f:
+                f.seek(4 << 30)
+                f.write(b"\nterminate called after throwing an instance of 'c10::Error'\n")
+                f.write(b"  what():  CUDA error: an illegal memory access was encountered\n")
+        elif content is not None:
+            (folder / "stderr.log").write_bytes(content)
+    topology = Topology(nnodes=4, nproc_per_node=1, master_addr="127.0.0.1", master_port=29500)
+    start = time.monotonic()
+    err = diagnose_failure(tmp_path, topology, [0, 1, 2, 3], {0: 1, 1: 1, 2: 1, 3: 1}, 0)
+    assert time.monotonic() - start < 5
+    assert isinstance(err, WorkerFailed) and err.cause == "cuda"
+    assert "CUDA error: an illegal memory access was encountered" in str(err).splitlines()[0]

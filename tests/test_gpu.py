@@ -194,3 +194,77 @@ def test_backend_env_knobs_reach_the_workers(tiny_data, tmp_path, monkeypatch):
     want = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
     for rank, recs in records.items():
         assert all(r == want for r in recs), (rank, recs)
+
+
+def test_step_d_names_what_the_flight_recorder_saw():
+    """Step (d)'s lines, which otherwise print only on 2 GPUs, from a hand-made run."""
+    from ddpnb.hang import nccl_waits
+
+    gpu_check = load_gpu_check()
+    pending = lambda seq, op, size, t: {  # noqa: E731
+        "pending": [{"pg": "0", "seq": seq, "p2p": False, "op": op, "size": size, "for": t}],
+        "groups": {"0": [seq, seq - 1]},
+    }
+    summaries = {
+        0: pending(9, "nccl:all_reduce_barrier", 1, 11.0),
+        1: pending(9, "nccl:all_reduce", 65792, 10.9),
+    }
+    start = 1000.0
+    events = [
+        *(
+            {"time": start - 1 + i / 10, "rank": r, "what": "step"}
+            for i in range(4)
+            for r in (0, 1)
+        ),
+        {"time": start, "rank": 0, "what": "lone barrier"},
+        {"time": start + 0.2, "rank": 1, "what": "step"},
+    ]
+    run = {
+        "recorder": (start + 11.5, nccl_waits(summaries, 10), summaries),
+        "stack": None,
+        "ended": None,
+        "ended_at": None,
+        "last": None,
+        "t0": start - 20,
+        "stop_at": start + 25,
+        "events": events,
+    }
+    named, stack, did, nccl = gpu_check.hang_lines("barrier", run)
+    assert named.startswith("d lone barrier: named by the flight recorder 11.5 s after the mistake")
+    assert "ranks [0, 1] wait in different collectives" in named
+    assert "rank 0: nccl:all_reduce_barrier #9 (1 element), not completed for 11 s" in named
+    assert stack.endswith("the Python-stack path (ddpnb's verdict today) did not name it")
+    assert "rank 0's lone barrier never returned; rank 0 4 steps" in did
+    assert "rank 1 5 steps, last noted 'step'" in did
+    assert nccl == (
+        "d lone barrier: what NCCL did with it: paired: rank 0's nccl:all_reduce_barrier #9 "
+        "(1 element) met rank 1's nccl:all_reduce #9 (65792 elements), and neither completed"
+    )
+    run = {**run, "recorder": None, "last": nccl_waits({0: None, 1: None}, 10)}
+    run["ended"], run["ended_at"] = "WorkerFailed: rank 1 ...", start + 30
+    named = gpu_check.hang_lines("barrier", run)[0]
+    assert "NOT named by the flight recorder before the run ended, 30 s after" in named
+
+
+def test_step_d_checks_the_one_gpu_read():
+    gpu_check = load_gpu_check()
+    held = {"pg": "0", "seq": 2002, "p2p": False, "op": "nccl:all_reduce", "size": 1000}
+    read = {
+        "completed": {"groups": {"0": [2001, 2001]}, "pending": [], "more": 0},
+        "newest": {"profiling_name": "nccl:all_reduce", "state": "completed"},
+        "pending": {
+            "groups": {"0": [2002, 2001]},
+            "pending": [{**held, "state": "scheduled", "for": 0.004}],
+        },
+        "after": {"groups": {"0": [2002, 2002]}, "pending": []},
+        "read_ms": 0.31,
+        "ring": 2000,
+    }
+    line = gpu_check.single_summary(read)
+    assert line.startswith("d flight recorder read, world size 1: ok: a completed all_reduce")
+    assert "(nccl:all_reduce #2002, 1000 elements, scheduled, 4 ms)" in line
+    assert line.endswith("a read with 2000 collectives in the ring takes 0.31 ms (median of 20)")
+    with pytest.raises(gpu_check.CheckFailed, match="read as pending"):
+        gpu_check.single_summary({**read, "completed": read["pending"]})
+    with pytest.raises(gpu_check.CheckFailed, match="did not read as pending"):
+        gpu_check.single_summary({**read, "pending": read["after"]})

@@ -19,7 +19,7 @@ import pytest
 
 import ddpnb
 from ddpnb.errors import ConfigError, RunHung
-from ddpnb.hang import Frame, RankState, Stacks, verdict
+from ddpnb.hang import Frame, RankState, Stacks, read_ranks, verdict
 from ddpnb.script import Script
 
 HANGS = Path(__file__).with_name("hangs")
@@ -255,7 +255,7 @@ def test_uneven_batches_leave_one_rank_in_its_loop(tmp_path):
 def test_a_healthy_run_whose_steps_take_3x_hang_timeout_runs_to_its_end(tmp_path, capsys):
     """Every rank computes each backward for 3 x hang_timeout: measured CPU time, not a hang."""
     job = launch("slow_steps.py", tmp_path / "run", hang_timeout=2.0, args=["6"])
-    assert all(rc == 0 for rc in job.returncodes.values())
+    assert job.error is None  # finished (an abort at exit would be a warning, not a failure)
     out = capsys.readouterr().out
     assert "hang" not in out.lower() and "waits in" not in out
     assert (tmp_path / "run" / "logs").is_dir() and "step 1 done" in job.log_tail(0, 60)
@@ -266,7 +266,7 @@ def test_a_slow_rank_is_described_and_the_run_finishes(tmp_path, capsys):
     job = launch("slow_checkpoint.py", tmp_path / "run", hang_timeout=2.0, wait=False)
     seen, _ = follow(job, None, 60)
     assert ("slow", {0: "running", 1: "waiting"}) in seen, seen  # rank 1 waits for rank 0
-    assert all(rc == 0 for rc in job.returncodes.values())
+    assert job.error is None and "done" in job.log_tail(0, 60)
     out = capsys.readouterr().out
     sleep = line_of("slow_checkpoint.py", "time.sleep(")
     assert "ddpnb: slow phase: No rank has made progress" in out
@@ -368,3 +368,251 @@ def test_the_hooks_start_in_a_worker_once_and_not_in_the_processes_it_starts(tmp
     assert "_Watch object" in worker and "_Observer object" in worker, out
     assert child == "None None", out
     assert (tmp_path / "watch").is_dir() and (tmp_path / "observe" / "rank-0.jsonl").exists()
+
+
+# -- NCCL: the flight recorder's summary in each snapshot, and what it says -------------------
+
+
+def nccl(*pending: tuple, groups: dict | None = None) -> dict:
+    """A rank's "nccl" summary (watch.nccl_collectives): pending (seq, op, size, seconds)."""
+    pend = [
+        {"pg": "0", "seq": s, "p2p": False, "op": op, "size": n, "state": "scheduled", "for": t}
+        for s, op, n, t in pending
+    ]
+    last = max((p["seq"] for p in pend), default=6)
+    return {
+        "groups": groups or {"0": [last, 6]},
+        "pending": pend,
+        "more": 0,
+        "pending_for": pend[0]["for"] if pend else 0.0,
+    }
+
+
+def test_nccl_a_lone_barrier_taken_by_the_next_all_reduce_is_two_collectives():
+    from ddpnb.hang import nccl_waits
+
+    ranks = {
+        0: nccl((7, "nccl:all_reduce_barrier", 1, 70.4)),
+        1: nccl((7, "nccl:all_reduce", 2048, 69.0), (8, "nccl:all_reduce", 2048, 68.0)),
+    }
+    w = nccl_waits(ranks, 60)
+    assert (w.waiting, w.free, w.unknown, w.apart) == ((0, 1), (), (), True)
+    assert w.at[0] == "nccl:all_reduce_barrier #7 (1 element), not completed for 70 s"
+    assert w.at[1] == "nccl:all_reduce #7 (2048 elements), not completed for 69 s"
+    assert w.pending_for == {0: 70.4, 1: 69.0}
+
+
+def test_nccl_same_op_other_size_or_number_is_apart_and_one_collective_is_not():
+    from ddpnb.hang import nccl_waits
+
+    grads, metric = (31, "nccl:all_reduce", 2048, 80.0), (31, "nccl:all_reduce", 1, 80.0)
+    assert nccl_waits({0: nccl(grads), 1: nccl(metric)}, 60).apart  # uneven batches
+    ahead = (32, "nccl:all_reduce", 2048, 80.0)  # one rank reached a collective the other did not
+    assert nccl_waits({0: nccl(ahead), 1: nccl(grads)}, 60).apart
+    same = nccl_waits({0: nccl(grads), 1: nccl(grads)}, 60)  # a node or the network is gone
+    assert same.waiting == (0, 1) and not same.apart
+
+
+def test_nccl_waiting_needs_the_limit_and_a_pending_collective():
+    from ddpnb.hang import nccl_waits
+
+    w = nccl_waits({0: nccl((7, "nccl:all_reduce", 8, 59.0)), 1: nccl()}, 60)
+    assert (w.waiting, w.free) == ((), (0, 1))
+    assert w.at[1] == "no NCCL collective pending (last enqueued #6, completed #6)"
+    w = nccl_waits({0: nccl((7, "nccl:all_reduce", 8, 61.0)), 1: nccl()}, 60)
+    assert (w.waiting, w.free, w.apart) == ((0,), (1,), False)  # rank 1 computes: not a hang
+
+
+def test_nccl_ranks_without_a_summary_are_unknown():
+    from ddpnb.hang import nccl_waits
+
+    off = {"error": "the flight recorder is off (TORCH_FR_BUFFER_SIZE unset or 0)"}
+    w = nccl_waits({0: None, 1: off, 2: nccl((3, "nccl:broadcast", 4, 90.0))}, 60)
+    assert (w.waiting, w.free, w.unknown) == ((2,), (), (0, 1))
+    assert list(w.at) == [2]
+
+
+class NcclNamed:
+    """torch.distributed as the watch sees it, its process group's backend named ``backend``."""
+
+    def __init__(self, backend: str = "nccl", initialized: bool = True) -> None:
+        self.backend, self.initialized = backend, initialized
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def get_backend(self) -> str:
+        return self.backend
+
+
+def fr_entry(record: int, seq: int, op: str, state: str, retired: bool, **kw) -> dict:
+    """One entry as torch 2.14's _dump_nccl_trace_json writes it (the fields the watch reads)."""
+    entry = {
+        "record_id": record,
+        "pg_id": 0,
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "is_p2p": False,
+        "profiling_name": op,
+        "input_sizes": [[2, 512]],
+        "state": state,
+        "retired": retired,
+        "time_created_ns": int((time.time() - 30) * 1e9),
+    }
+    return {**entry, **kw}
+
+
+def test_nccl_collectives_keeps_what_has_not_completed(monkeypatch):
+    import json
+
+    import torch._C._distributed_c10d as c10d
+
+    from ddpnb.watch import NCCL_PENDING, nccl_collectives
+
+    entries = [
+        fr_entry(0, 5, "nccl:all_reduce", "completed", True),
+        fr_entry(1, 6, "nccl:all_reduce", "scheduled", True),  # retired (aborted)
+        fr_entry(2, 7, "nccl:all_reduce_barrier", "scheduled", False, input_sizes=[[1]]),
+        fr_entry(3, 0, "nccl:send ", "started", False, is_p2p=True, p2p_seq_id=2),
+        *(fr_entry(4 + i, 8 + i, "nccl:all_reduce", "scheduled", False) for i in range(9)),
+    ]
+    status = {"0": {"last_enqueued_collective": "16", "last_completed_collective": "6"}}
+    trace = json.dumps({"version": "2.10", "pg_status": status, "entries": entries})
+    asked = []
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda **kw: asked.append(kw) or trace)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    s = nccl_collectives(NcclNamed("cpu:gloo,cuda:nccl"))
+    assert asked == [{"includeCollectives": True, "onlyActive": True}]
+    assert s["groups"] == {"0": [16, 6]}
+    assert len(s["pending"]) == NCCL_PENDING and s["more"] == 11 - NCCL_PENDING
+    barrier, send = s["pending"][:2]
+    assert {k: barrier[k] for k in ("pg", "seq", "p2p", "op", "size", "state")} == {
+        "pg": "0",
+        "seq": 7,
+        "p2p": False,
+        "op": "nccl:all_reduce_barrier",
+        "size": 1,
+        "state": "scheduled",
+    }
+    assert 29 < barrier["for"] < 40 and s["pending_for"] == barrier["for"]
+    assert (send["seq"], send["p2p"], send["size"]) == (2, True, 1024)
+
+
+def test_nccl_collectives_is_off_without_nccl_and_never_raises(monkeypatch):
+    import torch._C._distributed_c10d as c10d
+
+    from ddpnb.watch import nccl_collectives
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    assert nccl_collectives(None) is None
+    assert nccl_collectives(NcclNamed("gloo")) is None
+    assert nccl_collectives(NcclNamed(initialized=False)) is None
+
+    def broken(**kw):
+        raise RuntimeError("the recorder is gone")
+
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", broken, raising=False)
+    assert nccl_collectives(NcclNamed()) == {"error": "RuntimeError: the recorder is gone"}
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")  # the first name set wins
+    assert "flight recorder is off" in nccl_collectives(NcclNamed())["error"]
+
+
+# Two gloo ranks: rank 1 comes late to the second all_reduce, and rank 0 reads torch's own
+# recorder (gloo's ring: the same entries as NCCL's, which needs a GPU) the watch's way.
+TWO_RANKS = """
+import json, sys, time
+import torch, torch.distributed as dist
+import torch._C._distributed_c10d as c10d
+from ddpnb.watch import nccl_collectives
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=sys.argv[2], rank=rank, world_size=2)
+dist.all_reduce(torch.ones(2))
+if rank == 1:
+    time.sleep(3)
+work = dist.all_reduce(torch.ones(3, 4), async_op=True)
+if rank == 0:
+    time.sleep(1)
+    c10d._dump_nccl_trace_json = c10d._dump_fr_trace_json
+    class Nccl:
+        is_available = is_initialized = lambda: True
+        get_backend = lambda: "nccl"
+    print(json.dumps(nccl_collectives(Nccl)), flush=True)
+work.wait()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_nccl_collectives_reads_torch_s_own_recorder(tmp_path):
+    import json
+    import os
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "2000", "PYTHONPATH": root}
+    init = f"file://{tmp_path}/store"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_RANKS, str(r), init],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    (out, err), _ = (p.communicate(timeout=120) for p in procs)
+    assert procs[0].returncode == 0, err
+    s = json.loads(out.strip().splitlines()[-1])
+    assert s["groups"] == {"0": [2, 1]}, s  # the first all_reduce completed, the second not
+    (p,) = s["pending"]
+    assert (p["pg"], p["seq"], p["op"], p["size"], p["state"]) == (
+        "0",
+        2,
+        "gloo:all_reduce",
+        12,
+        "scheduled",
+    )
+    assert 0.5 < p["for"] < 3 and s["more"] == 0
+
+
+def test_the_flight_recorder_is_on_in_the_workers_unless_the_user_set_it(monkeypatch):
+    from ddpnb.plan import Plan
+
+    script = Script(HANGS / "barrier_rank0.py")
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert Plan(script, None).user_env("/r")["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert "TORCH_FR_BUFFER_SIZE" not in Plan(script, None, hang_timeout=None).user_env("/r")
+    mine = Plan(script, None, env={"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}).user_env("/r")
+    assert "TORCH_FR_BUFFER_SIZE" not in mine and mine["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")  # the launcher's own: the workers inherit it
+    assert "TORCH_FR_BUFFER_SIZE" not in Plan(script, None).user_env("/r")
+
+
+def test_on_nccl_waiting_is_the_flight_recorders_pending_collective(tmp_path):
+    """NCCL ranks spin in a GPU sync (CPU busy) with the stack elsewhere: the recorder decides."""
+    pending = lambda seq, op, size: {  # noqa: E731
+        "groups": {"0": [seq, seq - 1]},
+        "pending": [{"pg": "0", "seq": seq, "op": op, "size": size, "for": 70.0}],
+    }
+    r0 = rank(0, idle=0.2, nccl=pending(9, "nccl:all_reduce_barrier", 1))
+    r1 = rank(1, idle=0.2, nccl=pending(9, "nccl:all_reduce", 65792))
+    assert r0.waits_in == "NCCL's nccl:all_reduce_barrier #9 (1 elements)"
+    free = rank(1, BARRIER, idle=0.2, nccl={"groups": {"0": [9, 9]}, "pending": []})
+    assert free.waits_in is None  # its stack in barrier says nothing on NCCL
+    # read_ranks turns the recorder's waiting time into the rank's idle time (CPU spins):
+    folder = tmp_path / ".ddpnb" / "watch"
+    folder.mkdir(parents=True)
+    for r in (r0, r1):
+        record = {"rank": r.rank, "node": r.rank, "host": "h", "pid": 1, "steps": 5}
+        record.update(state="running", time=time.time(), still=0.2, idle=0.2, interval=2.0)
+        record.update(process_group=True, stack=[], world_size=2, nccl=r.nccl)
+        (folder / f"rank-{r.rank}.json").write_text(json.dumps(record))
+    ranks = read_ranks(tmp_path)
+    assert all(r.waits and r.idle >= 70 for r in ranks)
+    assert verdict(ranks, min(r.idle for r in ranks), 60).cause == "different"

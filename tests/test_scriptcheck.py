@@ -224,3 +224,46 @@ def test_cli_options_come_before_the_script_and_the_rest_goes_to_it():
         ("a.py",),
     )
     assert kwargs == {"nnodes": 3, "nproc_per_node": 1, "run_dir": None}
+
+
+def _line(path: Path, snippet: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if snippet in line)
+
+
+def test_unused_parameters_are_mistake_11_with_their_names():
+    """DDP's 'Expected to have finished reduction' is a finding, not 'could not run'."""
+    script = HANGS / "unused_head.py"
+    report = check_script(Script(script))
+    assert (report.exit_code, report.error) == (1, None), str(report)
+    assert [f.number for f in report.findings] == [11], str(report)  # not 3: 11 explains it
+    finding = report.findings[0]
+    assert finding.where == f"unused_head.py:{_line(script, 'model = DDP(')}"
+    assert "head_b.weight, head_b.bias" in finding.seen, finding.seen
+    assert f"unused_head.py:{_line(script, 'out_a, _ = model(')}" in finding.seen  # raised there
+    assert "find_unused_parameters=True" in finding.fix and "requires_grad_(False)" in finding.fix
+    assert any(n.startswith("The run stopped:") for n in report.checked)
+    assert_nothing_left(report)
+
+
+def test_uneven_inputs_abort_is_mistake_9_with_each_ranks_line(capsys):
+    """gloo's 'Received data size doesn't match': 9 with both ranks' lines, from the CLI."""
+    script = HANGS / "uneven_abort.py"
+    code = main_check_script([str(script)])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "Mistake 9:" in out and "could not run" not in out
+    reduce, backward = _line(script, "dist.all_reduce(total)"), _line(script, "loss.backward()")
+    assert f"[uneven_abort.py:{reduce}]" in out
+    seen = " ".join(out.split())  # the report wraps its lines
+    assert f"rank 0 in all_reduce at uneven_abort.py:{reduce}" in seen
+    assert (
+        f"rank 1 in DDP's gradient all-reduce inside backward at uneven_abort.py:{backward}" in seen
+    )
+    assert "uneven inputs" in seen and "torch.distributed.algorithms.Join" in seen
+
+
+def test_a_script_that_cannot_start_still_exits_2(tmp_path):
+    (tmp_path / "imports.py").write_text("import torch\nimport not_a_module_of_ddpnb\n")
+    report = check_script(Script(tmp_path / "imports.py"))
+    assert report.exit_code == 2 and report.findings == [], str(report)
+    assert "No module named 'not_a_module_of_ddpnb'" in report.error

@@ -478,3 +478,36 @@ def test_the_printed_ssh_lines_work_when_pasted(hosts, tmp_path):
     assert "rank 0 of 2 args ['1', 'x y']" in outs[0] and "rank 1 of 2" in outs[1]
     assert (run / "model.pt").is_file()
     assert not _no_leftovers(hosts)
+
+
+def test_aborts_on_hosts_without_the_shared_filesystem(hosts):
+    """A mismatch's abort is named by gloo's words and each rank's line, from logs copied back
+    from each host; a rank that aborts after its script ended leaves the run finished.
+
+    About 50 s: two launches on the hosts, each with its preflight, network check and copies
+    both ways; the path (logs and stacks copied back) is what differs from simulated nodes."""
+    hangs = Path(__file__).with_name("hangs")
+    run = hosts.private_root / f"abort-{os.getpid()}"
+    launch = lambda name: ddpnb.launch(  # noqa: E731
+        ddpnb.Script(hangs / name),
+        run,
+        hosts=hosts.private,
+        ssh_config=hosts.ssh_config,
+        progress="none",
+        overwrite=True,
+    )
+    try:
+        with pytest.raises(WorkerFailed) as caught:
+            launch("uneven_abort.py")
+        head = str(caught.value).splitlines()[0]
+        assert caught.value.cause == "collective_mismatch" and caught.value.host is not None
+        assert "Is there a distributed collective mismatch in your code?" in head
+        assert "rank 0 in all_reduce at uneven_abort.py:" in head
+        assert "rank 1 in DDP's gradient all-reduce inside backward at uneven_abort.py:" in head
+        with pytest.warns(RuntimeWarning, match="The run finished"):
+            job = launch("abort_at_exit.py")
+        assert job.error is None and (run / "model.pt").is_file()
+        assert "worker global rank 1 on node 1 was killed by SIGABRT" in job.warnings[0]
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    assert not _no_leftovers(hosts)
