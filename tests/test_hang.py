@@ -257,7 +257,10 @@ def test_a_healthy_run_whose_steps_take_3x_hang_timeout_runs_to_its_end(tmp_path
     job = launch("slow_steps.py", tmp_path / "run", hang_timeout=2.0, args=["6"])
     assert job.error is None  # finished (an abort at exit would be a warning, not a failure)
     out = capsys.readouterr().out
-    assert "hang" not in out.lower() and "waits in" not in out
+    # No verdict. Each rank sizes its own backward, so one may wait a few seconds in the
+    # all-reduce for the other: the display then says "waiting" (once), never more.
+    said = [ln for ln in out.splitlines() if "waits in" in ln or "hang" in ln.lower()]
+    assert all(ln.startswith("ddpnb: waiting: ") for ln in said), said
     assert (tmp_path / "run" / "logs").is_dir() and "step 1 done" in job.log_tail(0, 60)
 
 
@@ -265,7 +268,8 @@ def test_a_healthy_run_whose_steps_take_3x_hang_timeout_runs_to_its_end(tmp_path
 def test_a_slow_rank_is_described_and_the_run_finishes(tmp_path, capsys):
     job = launch("slow_checkpoint.py", tmp_path / "run", hang_timeout=2.0, wait=False)
     seen, _ = follow(job, None, 60)
-    assert ("slow", {0: "running", 1: "waiting"}) in seen, seen  # rank 1 waits for rank 0
+    # Rank 1 waits for rank 0 (whose node reads "running", or "starting": it printed nothing).
+    assert [n for k, n in seen if k == "slow" and n[1] == "waiting" != n[0]], seen
     assert job.error is None and "done" in job.log_tail(0, 60)
     out = capsys.readouterr().out
     sleep = line_of("slow_checkpoint.py", "time.sleep(")
