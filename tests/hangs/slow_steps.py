@@ -34,7 +34,9 @@ def backward_seconds(depth: int) -> float:
 
 
 dist.init_process_group("gloo")
-depth = max(1, round(SECONDS * 10 / backward_seconds(10)))  # backward of about SECONDS
+depth = torch.tensor([max(1, round(SECONDS * 10 / backward_seconds(10)))])
+dist.broadcast(depth, 0)  # rank 0 sizes it: every rank does the same work
+depth = int(depth)  # layers for a backward of about SECONDS
 model = DDP(Deep(depth))
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 for step in range(STEPS):
