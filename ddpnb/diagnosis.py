@@ -13,7 +13,7 @@ from .errors import NodeLost, RendezvousTimeout, RunFailed, RunStalled, WorkerFa
 from .hang import Frame, RankState, read_ranks
 from .metrics import load_metrics, read_json, read_progress
 from .topology import Topology
-from .watch import HOOKS_DIR
+from .watch import HOOKS_DIR, helpers_from  # the worker's machinery is not the user's line
 
 SECONDARY_ERRORS = (  # messages of ranks that failed only because a peer died first
     "Connection closed by peer",
@@ -161,7 +161,7 @@ def script_line(traceback: str, run_dir: Path) -> str:
     """`` at train.py:12 in step`` for the traceback's innermost frame of the script's files."""
     frames = [m for m in _FRAME.finditer(traceback) if "site-packages" not in m.group(1)]
     folder = str(Path(run_dir).resolve()) + "/"
-    mine = [m for m in frames if _mine(m.group(1), folder)] or frames
+    mine = [m for m in frames if _mine(m[1], folder) and int(m[2]) < helpers_from(m[1])] or frames
     if not mine:
         return ""
     path, line, func = mine[-1].groups()
@@ -239,7 +239,7 @@ def rank_states(run_dir: Path, found: list) -> list[RankState]:
         frames = tuple(
             Frame(p[len(folder) :] if p.startswith(folder) else p, n, fn, _source(p, n), mine)
             for p, n, fn in stack
-            for mine in [_mine(p, folder)]
+            for mine in [_mine(p, folder) and n < helpers_from(p)]
         )
         state = RankState(rank, 0, "", 0, "running", 0.0, 0, True, frames, 0.0)
         if state.mine is not None:

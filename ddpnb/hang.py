@@ -134,9 +134,10 @@ class RankState:
             )
         paths = self._paths()
         public = (fn for p, fn in paths if p.endswith(C10D) and not fn.startswith("_"))
-        named = _match(paths, COLLECTIVES) or next(public, None)
         backward = self.process_group and any(fn in BACKWARD for _, fn in paths)
-        return named or ("DDP's gradient all-reduce inside backward" if backward else None)
+        # A collective inside backward is DDP's (its comm hook's), whoever's code calls it.
+        ddp = "DDP's gradient all-reduce inside backward" if backward else None
+        return _match(paths, COLLECTIVES) or ddp or next(public, None)
 
     def where(self) -> str:
         """``train.py:21 (dist.barrier())``: the user's innermost line and its text."""
