@@ -62,6 +62,23 @@ KNOWN = (
         "of a walk over the autograd graph every step, and can hide a real bug",
     ),
     _known(
+        "no_process_group",
+        r"Default process group (has not been|is not) initialized",
+        "DDP(model), a collective, dist.get_rank() or DistributedSampler() ran before "
+        "dist.init_process_group: they all need the default process group",
+        "call dist.init_process_group(backend) first (under torchrun, env:// needs no other "
+        "argument), then wrap the model in DDP",
+    ),
+    _known(
+        "ready_twice",
+        r"Expected to mark a variable ready only once",
+        "a parameter's gradient hook fired twice in one backward: reentrant activation "
+        "checkpointing (torch.utils.checkpoint with use_reentrant=True) of a layer used in two "
+        "segments, or a module used twice in one forward",
+        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False); or DDP(model, "
+        "static_graph=True) when the model's graph is the same every step",
+    ),
+    _known(
         "shared_memory",
         r"Bus error|No space left on device|unable to (write to|allocate shared memory)",
         "shared memory (/dev/shm) is full: DataLoader workers pass batches through it (a "

@@ -160,3 +160,41 @@ def test_a_worker_log_missing_empty_binary_or_huge_is_diagnosed_in_seconds(tmp_p
     assert time.monotonic() - start < 5
     assert isinstance(err, WorkerFailed) and err.cause == "cuda"
     assert "CUDA error: an illegal memory access was encountered" in str(err).splitlines()[0]
+
+
+READY_TWICE = (
+    "[rank0]: RuntimeError: Expected to mark a variable ready only once. This error is caused by "
+    "one of the following reasons: 1) Use of a module parameter outside the `forward` function. "
+    "... DDP does not support such use cases in default. You can try to use _set_static_graph() "
+    "as a workaround if your module graph does not change over iterations.\n"
+    "[rank0]: Parameter at index 1 with name layer.bias has been marked as ready twice. This "
+    "means that multiple autograd engine  hooks have fired for this particular parameter during "
+    "this iteration.\n"
+)
+NO_PROCESS_GROUP = (
+    "    raise ValueError(\nValueError: Default process group has not been initialized, please "
+    "make sure to call init_process_group.\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("said", "cause", "head"),
+    [
+        (READY_TWICE, "ready_twice", "RuntimeError: Expected to mark a variable ready only once."),
+        (NO_PROCESS_GROUP, "no_process_group", "ValueError: Default process group has not been"),
+    ],
+)
+def test_ddp_before_init_and_a_parameter_ready_twice_are_known_from_a_worker_log(
+    tmp_path, said, cause, head
+):
+    """torch's words (2.14, as a worker under torchrun prints them) name the cause and its fix."""
+    folder = tmp_path / "logs" / "node-0" / "none_x" / "attempt_0" / "0"
+    folder.mkdir(parents=True)
+    trace = 'Traceback (most recent call last):\n  File "/x/train.py", line 7, in <module>\n'
+    (folder / "stderr.log").write_text(trace + said)
+    topology = Topology(nnodes=1, nproc_per_node=1, master_addr="127.0.0.1", master_port=29500)
+    err = diagnose_failure(tmp_path, topology, [0], {0: 1}, 0)
+    assert isinstance(err, WorkerFailed) and err.cause == cause, str(err)
+    assert head in str(err).splitlines()[0], str(err)
+    fix = {"ready_twice": "use_reentrant=False", "no_process_group": "init_process_group(backend)"}
+    assert fix[cause] in str(err), str(err)
