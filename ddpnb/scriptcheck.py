@@ -48,6 +48,8 @@ TITLES = {
     9: "Ranks call different collectives (the run hangs)",
     10: "The script starts its own ranks under torchrun (mp.spawn)",
     11: "Parameters get no gradient (DDP's unused parameters)",
+    12: "DDP or a collective before init_process_group",
+    13: "A parameter's gradient is ready twice in one step (reentrant checkpointing)",
 }
 WHY = {
     2: "DistributedSampler shuffles with seed + epoch: with the same epoch every epoch "
@@ -74,6 +76,17 @@ WHY = {
     "never reduced; the ranks step with their own gradients (the replicas drift apart) and "
     "DDP raises at the next forward (RuntimeError: 'Expected to have finished reduction in "
     "the prior iteration').",
+    12: "DDP(model), every collective, dist.get_rank() and DistributedSampler() need the "
+    "default process group, which dist.init_process_group creates: called before it, they "
+    "raise 'Default process group has not been initialized' (ValueError since torch 2.x; "
+    "RuntimeError or AssertionError in older releases: pytorch/pytorch #38300) on every rank.",
+    13: "DDP all-reduces each parameter's gradient once per backward, when its autograd hook "
+    "fires. Reentrant activation checkpointing (torch.utils.checkpoint with "
+    "use_reentrant=True, the old default; Hugging Face's gradient_checkpointing) runs each "
+    "checkpointed segment's backward as a backward of its own: a parameter used in two "
+    "segments (a layer shared or called twice) fires its hook twice in one step, and DDP "
+    "raises 'Expected to mark a variable ready only once' (pytorch/pytorch #121594; the "
+    "non-reentrant checkpoint made for DDP: #65537).",
     10: "torchrun already starts one process per rank and sets RANK, LOCAL_RANK, WORLD_SIZE, "
     "MASTER_ADDR and MASTER_PORT. A script written for mp.spawn (pytorch/examples' "
     "multigpu.py) starts nnodes x nproc_per_node jobs of its own, each with its own "
@@ -106,6 +119,14 @@ FIX = {
     "find_unused_parameters=True): DDP then walks the autograd graph after every forward to "
     "find the parameters that will get no gradient, which costs time every step and also "
     "hides a parameter left out by mistake.",
+    12: "dist.init_process_group(backend) first, before DDP(model), any collective, "
+    "dist.get_rank() or DistributedSampler(): under torchrun its env:// needs no other "
+    "argument (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set); then "
+    "model = DDP(model).",
+    13: "torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False) (Hugging Face: "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+    "False})); or, when the model's graph is the same every step (no parameter used in some "
+    "steps only), DDP(model, static_graph=True), which keeps reentrant checkpointing.",
     10: "Drop mp.spawn: call main() once; rank = int(os.environ['RANK']), local_rank = "
     "int(os.environ['LOCAL_RANK']), world_size = int(os.environ['WORLD_SIZE']); "
     "dist.init_process_group(backend) without setting MASTER_ADDR or MASTER_PORT.",
@@ -407,6 +428,10 @@ def _aborted(
     cause = getattr(failed, "cause", None)
     if cause == "unused_parameters":
         return [_unused(ranks, failed, run_dir)]
+    if cause == "no_process_group":
+        return [_no_process_group(failed, run_dir)]
+    if cause == "ready_twice":
+        return [_ready_twice(ranks, failed, run_dir)]
     if cause != "collective_mismatch":
         return []
     states = diagnosis.rank_states(run_dir, diagnosis.worker_errors(run_dir, range(nnodes), nproc))
@@ -462,6 +487,53 @@ def _unused(ranks: list[_Rank], failed: RunFailed, run_dir: Path) -> Finding:
     # parameters just before it); the line that raises is the next step's forward, which is
     # not where the mistake is, and the loss may be computed in many places.
     return Finding(11, _at(ddp.get("where")), seen)
+
+
+def _raised_at(failed: RunFailed, run_dir: Path) -> tuple[str, str]:
+    """``x.py:7`` (or NOWHERE) and `` at x.py:7 in f``: the script's line that raised."""
+    raised = diagnosis.script_line(failed.traceback or "", run_dir)
+    at = re.match(r" at (.+):(\d+) in ", raised)
+    return (f"{at[1]}:{at[2]}" if at else NOWHERE), raised
+
+
+def _no_process_group(failed: RunFailed, run_dir: Path) -> Finding:
+    """12: at the line that needed the process group before init_process_group made it."""
+    at, raised = _raised_at(failed, run_dir)
+    seen = (
+        f"torch raised 'Default process group has not been initialized'{raised}: that line "
+        "needs the default process group (DDP, a collective, the rank or world size), and "
+        "dist.init_process_group had not been called yet on that rank."
+    )
+    return Finding(12, at, seen)
+
+
+_TWICE = re.compile(r"Parameter at index (\d+)(?: with name (\S+))? has been marked as ready twice")
+
+
+def _ready_twice(ranks: list[_Rank], failed: RunFailed, run_dir: Path) -> Finding:
+    """13: the parameter torch's reducer named (by name, or its index mapped to the name
+    observe recorded), at the DDP(...) line where static_graph=True would go."""
+    text = f"{failed.traceback or ''}\n{failed}"
+    said = _TWICE.search(text)
+    ddp = next((d for r in ranks for d in r["ddp"]), {})
+    names = ddp.get("params") or []
+    name = None
+    if said:
+        index = int(said[1])
+        name = said[2] or (names[index] if index < len(names) else f"index {index}")
+    _, raised = _raised_at(failed, run_dir)
+    seen = (
+        f"DDP raised 'Expected to mark a variable ready only once'{raised}: "
+        + (f"parameter {name}" if name else "a parameter")
+        + " had its gradient marked ready twice in one backward"
+        + (
+            ", inside torch.utils.checkpoint's reentrant backward: the parameter is used in "
+            "more than one checkpointed segment."
+            if "checkpoint.py" in text
+            else " (a module used twice in one forward, or in two reentrant backward passes)."
+        )
+    )
+    return Finding(13, _at(ddp.get("where")), seen)
 
 
 def _unchecked(ranks: list[_Rank]) -> str | None:

@@ -245,6 +245,34 @@ def test_unused_parameters_are_mistake_11_with_their_names():
     assert_nothing_left(report)
 
 
+def test_ddp_before_init_process_group_is_mistake_12_at_its_line():
+    """'Default process group has not been initialized': 12 at the DDP(...) line that raised."""
+    script = HANGS / "ddp_before_init.py"
+    report = check_script(Script(script))
+    assert (report.exit_code, report.error) == (1, None), str(report)
+    assert [f.number for f in report.findings] == [12], str(report)
+    finding = report.findings[0]
+    assert finding.where == f"ddp_before_init.py:{_line(script, 'model = DDP(')}"
+    assert "Default process group has not been initialized" in finding.seen, finding.seen
+    assert "init_process_group(backend) first" in finding.fix and "env://" in finding.fix
+    assert any(n.startswith("The run stopped:") for n in report.checked)
+    assert_nothing_left(report)
+
+
+def test_a_layer_in_two_reentrant_checkpoints_is_mistake_13_by_name():
+    """'Expected to mark a variable ready only once': 13 with the parameter's name, at DDP(...)."""
+    script = HANGS / "reentrant_checkpoint.py"
+    report = check_script(Script(script))
+    assert (report.exit_code, report.error) == (1, None), str(report)
+    assert [f.number for f in report.findings] == [13], str(report)
+    finding = report.findings[0]
+    assert finding.where == f"reentrant_checkpoint.py:{_line(script, 'model = DDP(')}"
+    assert "parameter layer." in finding.seen and "checkpoint" in finding.seen, finding.seen
+    assert f"reentrant_checkpoint.py:{_line(script, 'loss.backward()')}" in finding.seen
+    assert "use_reentrant=False" in finding.fix and "static_graph=True" in finding.fix
+    assert_nothing_left(report)
+
+
 def test_uneven_inputs_abort_is_mistake_9_with_each_ranks_line(capsys):
     """gloo's 'Received data size doesn't match': 9 with both ranks' lines, from the CLI."""
     script = HANGS / "uneven_abort.py"
