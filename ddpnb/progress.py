@@ -237,16 +237,18 @@ class WidgetProgress:
             if n in steps:
                 last = f"{steps[n]} optimizer steps · {last}"
             elapsed = (self.job.ended_at or time.time()) - self.job.started_at
+            # One line however narrow the panel (a file browser open beside it): the last
+            # line takes the room that is left and its end is cut.
             html = (
-                f"<span style='display:inline-block;min-width:5.5em'>node {n}</span> "
-                f"<span style='background:{color};color:white;border-radius:3px;padding:0 6px;"
-                f"display:inline-block;min-width:5em;text-align:center'>{state}</span> "
-                f"<span class='ddpnb-elapsed' style='display:inline-block;min-width:3.5em;"
-                f"text-align:right'>{elapsed:.0f} s</span> "
-                f"<span style='opacity:0.8'>{ranks}{role}</span>"
-                f" <code class='ddpnb-last-line' style='opacity:0.7;font-size:85%;"
-                "white-space:nowrap;overflow:hidden;text-overflow:ellipsis;display:inline-block;"
-                f"max-width:42em;vertical-align:bottom'>{last}</code>"
+                "<div style='display:flex;align-items:baseline;gap:0.35em;white-space:nowrap'>"
+                f"<span style='flex:none;min-width:5.5em'>node {n}</span>"
+                f"<span style='flex:none;background:{color};color:white;border-radius:3px;"
+                f"padding:0 6px;min-width:5em;text-align:center'>{state}</span>"
+                f"<span class='ddpnb-elapsed' style='flex:none;min-width:3.5em;"
+                f"text-align:right'>{elapsed:.0f} s</span>"
+                f"<span style='flex:none;opacity:0.8'>{ranks}{role}</span>"
+                f"<code class='ddpnb-last-line' style='flex:0 1 42em;min-width:0;opacity:0.7;"
+                f"font-size:85%;overflow:hidden;text-overflow:ellipsis'>{last}</code></div>"
             )
             if self.node_rows[n].value != html:
                 self.node_rows[n].value = html
