@@ -156,9 +156,11 @@ def test_the_stack_column_wraps_between_words():
 def test_a_barrier_on_rank0_is_named_and_stopped(tmp_path, capsys):
     started = time.monotonic()
     with pytest.raises(RunHung) as caught:
-        launch("barrier_rank0.py", tmp_path / "run")
+        # 8 s: the ranks read "waiting" from 2 s still (two snapshots) until the verdict, a
+        # window the job's reads (every second) meet on a loaded machine too.
+        launch("barrier_rank0.py", tmp_path / "run", hang_timeout=8.0)
     e = caught.value
-    barrier = line_of("barrier_rank0.py", "dist.barrier()")
+    barrier = line_of("barrier_rank0.py", "dist.barrier()  # MISTAKE")  # not the docstring's
     backward = line_of("barrier_rank0.py", ".backward()")
     assert f"rank 0 waits in barrier at barrier_rank0.py:{barrier}" in str(e)
     assert (
@@ -169,7 +171,10 @@ def test_a_barrier_on_rank0_is_named_and_stopped(tmp_path, capsys):
     assert [r.rank for r in e.stacks.ranks] == [0, 1]
     assert time.monotonic() - started < 60
     out = capsys.readouterr().out  # the text progress said, live, that the ranks wait
-    assert f"ddpnb: waiting: rank 0 waits in barrier at barrier_rank0.py:{barrier}" in out
+    # Said once, when the first rank was seen waiting (either may be first; later lines of the
+    # same kind are not printed again).
+    waiting = [ln for ln in out.splitlines() if ln.startswith("ddpnb: waiting: ")]
+    assert len(waiting) == 1 and "waits in" in waiting[0], out
     # The verdict's paragraph is said once: by the RunHung raised, not also by the progress.
     assert "No rank has made progress" not in out and "hangs" not in out
     assert str(e).count("No rank has made progress") == 1
@@ -202,13 +207,15 @@ def follow(job: ddpnb.Job, until: str | None, limit: float) -> list[tuple[str | 
 def test_waiting_shows_the_hang_and_ddpnb_stacks_reads_it(tmp_path):
     """on_hang='wait': the nodes read 'waiting', then 'hung'; the run stays up; ddpnb stacks
     shows every rank."""
-    job = launch("barrier_rank0.py", tmp_path / "run", on_hang="wait", wait=False)
+    # 8 s: a window from 2 s still (two snapshots) to the verdict that polls meet under load.
+    job = launch("barrier_rank0.py", tmp_path / "run", on_hang="wait", wait=False, hang_timeout=8)
     try:
         seen, panels = follow(job, "hang", 40)
         assert ("waiting", {0: "waiting", 1: "waiting"}) in seen, seen  # before the verdict
+        # The panel drawn at the first sight of "waiting": either rank may have been first.
         rows, box = [p.value for p in panels["waiting"].node_rows], panels["waiting"].waiting.value
-        assert all(">waiting</span>" in row for row in rows), rows
-        assert "<b>Waiting</b>: rank 0 waits in barrier at barrier_rank0.py:" in box, box
+        assert any(">waiting</span>" in row for row in rows), rows
+        assert "<b>Waiting</b>: rank 0 " in box and " waits in " in box, box
         assert "<b>The run hangs</b>: No rank has made progress" in panels["hang"].waiting.value
         assert set(job.node_status().values()) == {"hung"}
         out = subprocess.run(
@@ -218,7 +225,7 @@ def test_waiting_shows_the_hang_and_ddpnb_stacks_reads_it(tmp_path):
             timeout=60,
         )
         assert out.returncode == 0, out.stderr
-        barrier = line_of("barrier_rank0.py", "dist.barrier()")
+        barrier = line_of("barrier_rank0.py", "dist.barrier()  # MISTAKE")
         assert f"rank 0 waits in barrier at barrier_rank0.py:{barrier}" in out.stdout
         assert "rank 1 waits in DDP's gradient all-reduce" in out.stdout
         assert "frame(s) of torch/Python, innermost barrier" in out.stdout  # torch's, folded
