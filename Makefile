@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m ddpnb.demo --out runs/demo
 
+# Two pytest-xdist workers: on 2 cores one's tests compute while the other's wait (sshd,
+# Slurm, the browser, pip, hang and rendezvous timeouts). Groups and their order: tests/conftest.py.
+TEST_WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20 tests
 
 lint: setup
 	$(PY) -m ruff check ddpnb tests notebooks bench

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import socket
 import sys
@@ -55,8 +56,24 @@ def as_config(config: TrainConfig | Mapping[str, Any]) -> TrainConfig:
     raise ConfigError(f"config must be a TrainConfig or a dict, got {type(config).__name__}.")
 
 
+def _registered_here(model: str) -> bool:
+    """Whether torchvision's classification models register ``model``, read from their source
+    (``@register_model()``, other decorators, then ``def <name>(``) without importing torchvision: that import
+    costs the launcher seconds of CPU. False means "not seen": list_models then decides."""
+    spec = importlib.util.find_spec("torchvision")
+    for folder in (spec and spec.submodule_search_locations) or []:
+        for source in (Path(folder) / "models").glob("*.py"):
+            if re.search(
+                rf"^@register_model\(.*\n(@.*\n)*def {re.escape(model)}\(", source.read_text(), re.M
+            ):
+                return True
+    return False
+
+
 def check_model(config: TrainConfig) -> None:
     """Raise ConfigError for an unknown model name or unusable weights."""
+    if config.weights is None and _registered_here(config.model):
+        return
     import torch
     import torchvision
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -39,21 +40,30 @@ def pytest_terminal_summary(terminalreporter):
     """After ``--durations``: seconds per test file (setup, call and teardown), largest first,
     so the suite's growth shows where it happens."""
     per_file: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for reports in terminalreporter.stats.values():
         for report in reports:
             if isinstance(report, pytest.TestReport):
                 name = report.nodeid.split("::")[0]
                 per_file[name] = per_file.get(name, 0.0) + report.duration
+                cpu[name] = cpu.get(name, 0.0) + dict(report.user_properties).get("cpu_s", 0)
     if not per_file:
         return
     total = sum(per_file.values())
-    terminalreporter.write_sep("=", f"seconds per test file ({total / 60:.1f} min in all)")
+    workers = getattr(terminalreporter.config.option, "numprocesses", None) or 1
+    terminalreporter.write_sep(
+        "=",
+        f"seconds per test file ({total / 60:.1f} min of tests in {workers} worker(s); "
+        f"CPU: {sum(cpu.values()) / 60:.1f} min of the processes the tests waited for)",
+    )
     for name, seconds in sorted(per_file.items(), key=lambda item: -item[1]):
-        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {name}")
+        share = 100 * seconds / total
+        terminalreporter.write_line(f"{seconds:8.1f}s {share:5.1f}%  CPU {cpu[name]:7.1f}s  {name}")
     unexplained = [
         (r.duration, r.nodeid)
         for r in terminalreporter.stats.get("passed", [])
-        if r.when == "call" and r.duration > SLOW_TEST_SECONDS and not _DOCS.get(r.nodeid)
+        if r.when == "call" and r.duration > SLOW_TEST_SECONDS
+        if not dict(r.user_properties).get("says_why")
     ]
     if unexplained:
         terminalreporter.write_sep(
@@ -63,12 +73,82 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{seconds:8.1f}s  {nodeid}")
 
 
-_DOCS: dict[str, str] = {}  # test id: its function's docstring
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its children that have been waited for (torchrun and
+    its workers; not what sshd or slurmd started)."""
+    mine, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return mine.ru_utime + mine.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown":  # the suite is CPU-bound on 2 cores: its work, per test
+        cpu = _cpu_seconds() - item.stash[_CPU_AT_START]
+        outcome.get_result().user_properties.append(("cpu_s", round(cpu, 2)))
+
+
+_CPU_AT_START = pytest.StashKey[float]()
+
+
+# pytest-xdist (make test: -n 2): the tests of one group run in one worker, one after another.
+# A test file is a group (its module fixtures, e.g. the executed notebooks, are made once); the
+# files that make network namespaces share one, as their subnets, interface names and
+# /run/sshd are only unique per process. Groups start largest first (seconds of the last full
+# run), so no long one is left to run alone at the end.
+GROUPS = {
+    "tests/test_ssh.py": "netns",
+    "tests/test_network.py": "netns",
+    "tests/test_netns.py": "netns",
+}
+LARGEST_FIRST = [
+    "netns",
+    "tests/test_notebooks.py",
+    "tests/test_slurm.py",
+    "tests/test_scriptcheck.py",
+    "tests/test_wheelhouse.py",
+    "tests/browser/test_jupyterlab.py",
+    "tests/test_fault.py",
+    "tests/test_sweep.py",
+    "tests/test_launch.py",
+    "tests/test_gpu.py",
+    "tests/test_hang.py",
+]
+
+
+def _group(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return GROUPS.get(path, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with :data:`GROUPS` as the scopes (its ``xdist_group`` mark
+    needs pytest < 9)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(LARGEST_FIRST)}
+    items.sort(key=lambda item: order.get(_group(item.nodeid), len(order)))  # stable sort
     for item in items:
-        _DOCS[item.nodeid] = (getattr(item, "function", None) and item.function.__doc__) or ""
+        doc = (getattr(item, "function", None) and item.function.__doc__) or ""
+        item.user_properties.append(("says_why", bool(doc.strip())))
 
 
 def make_imagefolder(
