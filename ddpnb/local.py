@@ -13,7 +13,8 @@ from pathlib import Path
 from .agent import LIFELINE_ENV, loopback_bind_address
 from .pipeline import AGENT, Processes
 from .plan import Plan
-from .preflight import check_port_free, free_port
+from .preflight import check_port_free
+from .ssh import free_port
 from .topology import Topology
 
 

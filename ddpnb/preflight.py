@@ -113,13 +113,6 @@ def check_model(config: TrainConfig) -> None:
             raise ConfigError(f"{e} Save it with torch.save(model.state_dict(), path).") from None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def check_port_free(host: str, port: int) -> None:
     """Raise PortInUseError if ``port`` cannot be bound on ``host``."""
     check_int("master_port", port, low=1, high=65535)

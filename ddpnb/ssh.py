@@ -8,6 +8,7 @@ import functools
 import inspect
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -153,6 +154,29 @@ def ssh_failure(returncode: int, stderr: str, python: str) -> str:
 # -- what runs on the hosts: helpers(), these functions' source ---------------------------------
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now, for a rendezvous that binds it seconds later.
+
+    Taken below the ephemeral range (net.ipv4.ip_local_port_range; torchrun's 29500 is too):
+    the kernel gives ports of that range to every outgoing connection of the machine, one of
+    which could take the port before torchrun binds it ("Address already in use"); a port
+    below it is only taken by a listener that names it. Random, so callers at once differ."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first_ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    candidates = range(20000, first_ephemeral) if first_ephemeral > 21000 else range(0)
+    for port in random.sample(candidates, min(len(candidates), 100)) + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host!r}")
+
+
 def probe(args: dict) -> None:
     """Print what the preflight needs to know about this host.
 
@@ -171,8 +195,7 @@ def probe(args: dict) -> None:
     out["shared"] = os.path.exists(args["marker"])
     out["held"] = [n for n in args["held"] if os.path.lexists(os.path.join(args["dir"], n))]
     if args["free_port"]:
-        with socket.create_server(("", 0)) as s:
-            out["port"] = s.getsockname()[1]
+        out["port"] = free_port("")
     if args["gpus"] and out["torch"]:
         import torch
 
@@ -211,7 +234,7 @@ def unpack(dest: str, clean: list[str] = (), stream=None) -> None:
                 os.replace(tmp, target)  # a reader never sees half a file
 
 
-_SHIPPED = (dataset_files, dataset_fingerprint, probe, pack, unpack)
+_SHIPPED = (dataset_files, dataset_fingerprint, free_port, probe, pack, unpack)
 
 
 @functools.cache
@@ -219,7 +242,7 @@ def helpers() -> str:
     """The program the hosts run: the source of :data:`_SHIPPED` and a call by name."""
     return (
         "from __future__ import annotations\n"
-        "import hashlib, json, os, shutil, socket, sys, tarfile\nfrom pathlib import Path\n"
+        "import hashlib, json, os, random, shutil, socket, sys, tarfile\nfrom pathlib import Path\n"
         + "".join(inspect.getsource(f) for f in _SHIPPED)
         + "globals()[sys.argv[1]](*json.loads(sys.argv[2]))\n"
     )

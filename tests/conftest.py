@@ -101,32 +101,36 @@ _CPU_AT_START = pytest.StashKey[float]()
 
 
 # pytest-xdist (make test: -n 2): the tests of one group run in one worker, one after another.
-# A test file is a group (its module fixtures, e.g. the executed notebooks, are made once); the
-# files that make network namespaces share one, as their subnets, interface names and
-# /run/sshd are only unique per process. Groups start largest first (seconds of the last full
-# run), so no long one is left to run alone at the end.
-GROUPS = {
-    "tests/test_ssh.py": "netns",
-    "tests/test_network.py": "netns",
-    "tests/test_netns.py": "netns",
-}
+# A test file is a group (its module fixtures, e.g. the executed notebooks, are made once),
+# with two exceptions: the files that start SSH hosts share one, as their subnets, interface
+# names and /run/sshd are only unique per process; and notebook 06 (about 250 s) is a group
+# of its own, beside the other notebooks (each worker runs notebook 01 for its data). Groups
+# start largest first (seconds of the last full run), so no long one is left to run alone.
+GROUPS = {"tests/test_ssh.py": "ssh", "tests/test_network.py": "ssh"}
 LARGEST_FIRST = [
-    "netns",
+    "ssh",
     "tests/test_notebooks.py",
     "tests/test_slurm.py",
+    "notebook 06",
     "tests/test_scriptcheck.py",
     "tests/test_wheelhouse.py",
-    "tests/browser/test_jupyterlab.py",
     "tests/test_fault.py",
-    "tests/test_sweep.py",
     "tests/test_launch.py",
+    "tests/browser/test_jupyterlab.py",
     "tests/test_gpu.py",
     "tests/test_hang.py",
+    "tests/test_sweep.py",
+    "tests/test_worker.py",
+    "tests/test_lifetime.py",
+    "tests/test_script.py",
+    "tests/test_netns.py",
 ]
 
 
 def _group(nodeid: str) -> str:
-    path = nodeid.split("::")[0]
+    path, _, name = nodeid.partition("::")
+    if path == "tests/test_notebooks.py" and "06" in name:
+        return "notebook 06"
     return GROUPS.get(path, path)
 
 

@@ -19,20 +19,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from ddpnb.ssh import free_port
+
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 2
 PARTITION = "debug"
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """Ports below the ephemeral range (see ddpnb.ssh.free_port), all different."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        ports += [port] if port not in ports else []
+    return ports
 
 
 def _conf(root: Path, ports: list[int]) -> str:

@@ -1,13 +1,14 @@
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import tiny_config
 
 import ddpnb
 from ddpnb.errors import ConfigError
-from ddpnb.preflight import free_port
+from ddpnb.ssh import free_port
 
 
 def test_static_node_commands():
@@ -140,3 +141,11 @@ def test_nodes_with_different_data_refuse_to_train(tiny_data, data_copy, tmp_pat
     with pytest.raises(ddpnb.WorkerFailed, match="differs between nodes: node 1"):
         job.wait()
     assert other.returncode != 0 and "differs between nodes: node 1" in other.stdout + other.stderr
+
+
+def test_a_free_port_is_below_the_ephemeral_range():
+    """The kernel gives ephemeral ports to any outgoing connection: one could take the master
+    port in the seconds before torchrun binds it (seen under a loaded test run)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= p < low for p in ports) and len(ports) > 1, ports

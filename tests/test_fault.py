@@ -15,7 +15,7 @@ from conftest import tiny_config, tmpfs
 
 import ddpnb
 from ddpnb.pipeline import alive
-from ddpnb.preflight import free_port
+from ddpnb.ssh import free_port
 
 pytestmark = pytest.mark.slow
 # threads fixed: both runs compute in the same order; digits augmentation draws per rank
@@ -37,6 +37,8 @@ def _wait_for_epoch(run_dir: Path, epoch: int, timeout: float = 90) -> None:
 
 
 def test_restart_resumes_and_matches_the_uninterrupted_run(tiny_data, tmp_path):
+    """About 35 s: the same training twice, once uninterrupted and once with a rank killed
+    and restarted by torchrun, to compare their numbers."""
     cfg = tiny_config(tiny_data, **DRILL)
     clean = ddpnb.launch(cfg, tmp_path / "clean", nnodes=2, progress="none")
     faulty = ddpnb.launch(
@@ -159,6 +161,8 @@ def _processes_of(run_dir: Path) -> list[int]:
 
 @pytest.mark.root
 def test_full_disk_keeps_the_previous_checkpoint(tiny_data, tmp_path):
+    """About 35 s: a finished run, then a resumed one on a tmpfs too small for its next
+    checkpoint; the first checkpoint must survive the second's failed write."""
     run = tmp_path / "r"
     cfg = tiny_config(tiny_data, epochs=1)
     ddpnb.launch(cfg, run, nnodes=1, progress="none")

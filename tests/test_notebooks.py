@@ -176,6 +176,8 @@ def test_02_baseline(executed):
 
 @pytest.mark.slow
 def test_03_multi_node(executed):
+    """About 50 s: the notebook's two trainings (DDP on 2 nodes, one process back to back for
+    the throughput ratio) and its check of the exercise script, each its own torchrun."""
     out = _ok(executed, "03_multi_node_ddp.ipynb")
     run = ddpnb.load_metrics(out / "ddp")
     assert run.final["world_size"] == 2 and sorted(run.ranks) == [0, 1]
@@ -198,6 +200,8 @@ def test_03_multi_node(executed):
 
 @pytest.mark.slow
 def test_04_fault_tolerance(executed):
+    """About 65 s: the drill trains twice (uninterrupted, and killed then restarted) and
+    resumes once more: the lesson compares those runs' numbers."""
     out = _ok(executed, "04_fault_tolerance.ipynb")
     rows = ddpnb.load_metrics(out / "fault").epochs
     assert [r["epoch"] for r in rows] == [1, 2, 3, 4]  # the drill, then resumed for one more
@@ -213,6 +217,8 @@ def test_04_fault_tolerance(executed):
 
 @pytest.mark.slow
 def test_05_scaling(executed):
+    """About 55 s: one training per layout (1x1, 1x2, 2x1, 1x2 over gloo): the scaling table
+    needs each."""
     out = _ok(executed, "05_scaling.ipynb")
     layouts = {name: out / "scaling" / name for name in ("1x1", "1x2", "2x1")}
     rows = tables.scaling_table(layouts)
@@ -358,6 +364,8 @@ def test_07_real_machines_without_hosts(executed):
 
 @pytest.mark.slow
 def test_09_your_own_script(executed):
+    """About 50 s: the notebook launches, checks and reruns the reader's own script; each
+    step is its own torchrun."""
     out = _ok(executed, "09_your_own_script.ipynb")  # its curves are shown
     printed = _printed(out / "09_your_own_script.ipynb")
     assert "epoch 3: val_acc" in printed  # the single-process script ran first

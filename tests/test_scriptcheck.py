@@ -8,7 +8,6 @@ Every script asks for 100 epochs: the check must stop it within seconds.
 
 from __future__ import annotations
 
-import socket
 import tempfile
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from mistakes import EDITS, write_mistakes
 import ddpnb
 from ddpnb.script import Script
 from ddpnb.scriptcheck import _parse_args, check_script, load_records, main_check_script
+from ddpnb.ssh import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -57,16 +57,10 @@ def script_path(name: str) -> Path:
     return _folder[0] / f"{name}.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def checked(name: str):
     """The report of tests/scripts/<name>.py, checked once per session."""
     if name not in _reports:
-        port = [str(_free_port())] if name == "loopback_init" else []
+        port = [str(free_port())] if name == "loopback_init" else []
         _reports[name] = check_script(Script(script_path(name), args=[EPOCHS, *port]))
     return _reports[name]
 

@@ -145,6 +145,8 @@ def test_a_node_that_cannot_see_the_run_dir_stops_the_job_at_once(slurm, tiny_da
 
 
 def test_submit_pending_running_requeued_done(slurm, tiny_data, tmp_path, layout_run):
+    """About 40 s: a job held, released, requeued by Slurm mid-run and finished; each state
+    is Slurm's own, reached by its commands (scontrol hold/release/requeue), not simulated."""
     run = tmp_path / "r"
     cfg = tiny_config(tiny_data, epochs=3, **ONE_THREAD)
     job = submit_slurm(cfg, run, nnodes=2, sbatch_args=["--hold"], wait=False, progress="none")

@@ -54,55 +54,31 @@ def _no_leftovers(hosts, within: float = 10.0) -> dict:
     return hosts.leftovers()
 
 
-def test_two_hosts_train_like_two_simulated_nodes(hosts, tiny_data, layout_run, tmp_path):
+def test_two_hosts_train_like_two_simulated_nodes_from_the_cli(
+    hosts, tiny_data, layout_run, tmp_path
+):
+    """``ddpnb train --hosts`` (the CLI calls the same launch as the API and the notebooks)."""
     cfg = tiny_config(tiny_data, threads=1)
-    # Spaces and quotes in paths reach the hosts' shells quoted, never as shell code.
-    job = _launch(hosts, cfg, tmp_path / "my run 'one'", hosts.names)
-    simulated = layout_run("2x1").metrics
-    got = job.metrics
+    cfg.save(tmp_path / "cfg.json")
+    run = (
+        tmp_path / "my run 'one'"
+    )  # spaces and quotes reach the hosts' shells quoted, never as code
+    cmd = [sys.executable, "-m", "ddpnb", "train", "--config", str(tmp_path / "cfg.json"),
+           "--run-dir", str(run), "--hosts", ",".join(hosts.names),
+           "--ssh-config", str(hosts.ssh_config)]  # fmt: skip
+    out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "hosts hosta, hostb" in out.stdout  # the start line names them
+    got, simulated = ddpnb.load_metrics(run), layout_run("2x1").metrics
     assert [r["epoch"] for r in got.epochs] == [1, 2]
     assert got.final["world_size"] == 2
     assert got.final["val_samples"] == simulated.final["val_samples"]
     # Same seed, same shards, same averaged gradients: the same numbers as simulated nodes.
     for key in ("train_loss", "val_acc", "val_loss"):
         assert got.series(key) == pytest.approx(simulated.series(key), rel=1e-5), key
-    assert job.hosts == hosts.names
     assert {recs[-1]["node_rank"] for recs in got.ranks.values()} == {0, 1}
-    assert "ssh" in job.log_paths[1].read_text().splitlines()[0]  # the command, logged
+    assert "ssh" in (run / "logs" / "node-1.log").read_text().splitlines()[0]  # the command
     assert not _no_leftovers(hosts)
-
-
-def test_the_cli_trains_on_the_hosts(hosts, tiny_data, layout_run, tmp_path):
-    cfg = tiny_config(tiny_data, threads=1)
-    cfg.save(tmp_path / "cfg.json")
-    cmd = [sys.executable, "-m", "ddpnb", "train", "--config", str(tmp_path / "cfg.json"),
-           "--run-dir", str(tmp_path / "run"), "--hosts", ",".join(hosts.names),
-           "--ssh-config", str(hosts.ssh_config)]  # fmt: skip
-    out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "hosts hosta, hostb" in out.stdout  # the start line names them
-    got = ddpnb.load_metrics(tmp_path / "run").final
-    assert got["val_acc"] == pytest.approx(layout_run("2x1").metrics.final["val_acc"], rel=1e-5)
-
-
-def test_no_shared_filesystem_copies_out_and_brings_back(hosts, tiny_data, tmp_path):
-    # The hosts see a private tmpfs at private_root: not the launcher's run directory.
-    run = hosts.private_root / f"run-{os.getpid()}"
-    try:
-        cfg = tiny_config(tiny_data, threads=1)
-        job = _launch(hosts, cfg, run, hosts.private)
-        assert job.scheduler.shared == [False, False]
-        metrics = ddpnb.load_metrics(run)
-        assert [r["epoch"] for r in metrics.epochs] == [1, 2]
-        assert sorted(metrics.ranks) == [0, 1]  # both hosts' rank records came back
-        assert all(len(recs) == 2 for recs in metrics.ranks.values())
-        assert (run / "logs" / "node-1").is_dir()
-        # Node 0's run directory comes back whole: what the script wrote, checkpoints too.
-        assert (run / "checkpoints" / "last.pt").is_file()
-        listing = hosts.in_private(0, ["ls", str(run / "checkpoints")])
-        assert "last.pt" in listing.stdout, listing
-    finally:
-        shutil.rmtree(run, ignore_errors=True)
 
 
 def _checksums_agree(metrics) -> None:
@@ -115,11 +91,23 @@ def _checksums_agree(metrics) -> None:
 
 
 def test_resume_and_a_restart_without_the_shared_filesystem(hosts, tiny_data, tmp_path):
-    """Only node 0's disk holds the checkpoint: rank 0 sends it to every rank."""
+    """Hosts that see none of the launcher's files (a private tmpfs at private_root): the run
+    is copied out and brought back; only node 0's disk holds the checkpoint, and rank 0 sends
+    it to every rank on a resume and on a torchrun restart. About 100 s: five trainings over
+    SSH, each the proof of the next step (resume and restart need a run that came back)."""
     run = hosts.private_root / f"resume-{os.getpid()}"
     try:
         cfg = tiny_config(tiny_data, threads=1, epochs=2)
-        _launch(hosts, cfg, run, hosts.private)
+        job = _launch(hosts, cfg, run, hosts.private)
+        assert job.scheduler.shared == [False, False]
+        metrics = ddpnb.load_metrics(run)
+        assert [r["epoch"] for r in metrics.epochs] == [1, 2]
+        assert sorted(metrics.ranks) == [0, 1]  # both hosts' rank records came back
+        assert all(len(recs) == 2 for recs in metrics.ranks.values())
+        assert (run / "logs" / "node-1").is_dir()
+        # Node 0's run directory comes back whole: what the script wrote, checkpoints too.
+        assert (run / "checkpoints" / "last.pt").is_file()
+        assert "last.pt" in hosts.in_private(0, ["ls", str(run / "checkpoints")]).stdout
         listing = hosts.in_private(1, ["ls", str(run)])
         assert "checkpoints" not in listing.stdout.split()  # node 1 never had one
         job = _launch(hosts, cfg.replace(epochs=3), run, hosts.private, resume=True)
@@ -282,6 +270,8 @@ def test_the_launcher_ending_ends_every_host(hosts, tiny_data, tmp_path, how):
 
 
 def test_a_cut_link_is_a_lost_node_named_by_host(hosts, tiny_data, tmp_path):
+    """About 50 s: a cut link is seen only when gloo's timeout (20 s here) runs out on the
+    surviving host; then the run resumes over the mended link."""
     cfg = tiny_config(tiny_data, threads=1, epochs=200, timeout_seconds=20)
     job = _launch(hosts, cfg, tmp_path / "run", hosts.names, wait=False)
     try:

@@ -85,6 +85,8 @@ def test_plain_python_run_is_world_size_one(tiny_data, tmp_path):
 
 
 def test_accuracy_rises_on_digits(digits_data, tmp_path):
+    """About 40 s: an accuracy claim needs the real model on the real digits set (1,437
+    images, 3 epochs); no smaller run shows learning."""
     cfg = ddpnb.TrainConfig(data_dir=str(digits_data), image_size=16, epochs=3, batch_size=64)
     job = ddpnb.launch(cfg, tmp_path / "run", nnodes=1, progress="none")
     accs = job.metrics.series("val_acc")

@@ -246,6 +246,8 @@ def test_make_lab_serves_copies_and_keeps_the_participants_own(lab):
 
 
 def test_run_all_shows_live_panel_plot_and_final_curves(lab, page):
+    """About 60 s: notebook 03 run whole in JupyterLab in Chromium, as a participant does;
+    the live panel is checked while the run trains, so the run must last a few epochs."""
     _open(page, lab, NB)
     _menu(page, "Run", "Run All Cells")
 
@@ -353,6 +355,8 @@ def test_the_hang_reads_waiting_then_is_said_once_with_its_stacks_unbroken(lab, 
 
 
 def test_dark_theme_four_nodes_and_stop_button_ends_every_process(lab, page):
+    """About 45 s: four simulated nodes must be training (8 processes started on 2 cores)
+    before the stop button can be shown to end every one of them."""
     with_parameters(
         REPO / "notebooks" / NB, lab.root / NB_4, run_dir="runs/ddp4", nnodes=4, epochs=100, **SMALL
     )
