@@ -30,8 +30,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 import ddpnb  # noqa: E402
+from ddpnb.constants import free_port  # noqa: E402
 from ddpnb.metrics import read_progress  # noqa: E402
-from ddpnb.preflight import free_port  # noqa: E402
 from ddpnb.script import Script  # noqa: E402
 from ddpnb.source import WORKER_PATH  # noqa: E402
 

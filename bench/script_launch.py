@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ddpnb  # noqa: E402
-from ddpnb.preflight import free_port  # noqa: E402
+from ddpnb.constants import free_port  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("first_step.py")
 

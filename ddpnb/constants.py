@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
+import socket
 from pathlib import Path
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -49,3 +51,26 @@ def threads_for_host(procs_on_host: int, cores: int | None = None) -> int:
         affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
         cores = len(affinity(0)) if affinity else os.cpu_count() or 1
     return max(1, cores // max(1, procs_on_host))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now, for a rendezvous that binds it seconds later.
+
+    Taken below the ephemeral range (net.ipv4.ip_local_port_range; torchrun's 29500 is too):
+    the kernel gives ports of that range to every outgoing connection of the machine, one of
+    which could take the port before torchrun binds it ("Address already in use"); a port
+    below it is only taken by a listener that names it. Random, so callers at once differ."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first_ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    candidates = range(20000, first_ephemeral) if first_ephemeral > 21000 else range(0)
+    for port in random.sample(candidates, min(len(candidates), 100)) + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host!r}")

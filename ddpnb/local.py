@@ -11,10 +11,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .agent import LIFELINE_ENV, loopback_bind_address
+from .constants import free_port
 from .pipeline import AGENT, Processes
 from .plan import Plan
 from .preflight import check_port_free
-from .ssh import free_port
 from .topology import Topology
 
 

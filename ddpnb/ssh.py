@@ -8,18 +8,16 @@ import functools
 import inspect
 import json
 import os
-import random
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .constants import dataset_files, dataset_fingerprint
+from .constants import dataset_files, dataset_fingerprint, free_port
 from .errors import ConfigError
 
 # Unless ssh_options say otherwise (ssh keeps an option's first value): never prompt, which
@@ -152,29 +150,6 @@ def ssh_failure(returncode: int, stderr: str, python: str) -> str:
 
 
 # -- what runs on the hosts: helpers(), these functions' source ---------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now, for a rendezvous that binds it seconds later.
-
-    Taken below the ephemeral range (net.ipv4.ip_local_port_range; torchrun's 29500 is too):
-    the kernel gives ports of that range to every outgoing connection of the machine, one of
-    which could take the port before torchrun binds it ("Address already in use"); a port
-    below it is only taken by a listener that names it. Random, so callers at once differ."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            first_ephemeral = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        first_ephemeral = 32768
-    candidates = range(20000, first_ephemeral) if first_ephemeral > 21000 else range(0)
-    for port in random.sample(candidates, min(len(candidates), 100)) + [0]:
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError(f"no free TCP port on {host!r}")
 
 
 def probe(args: dict) -> None:

@@ -136,8 +136,8 @@ def _group(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with :data:`GROUPS` as the scopes (its ``xdist_group`` mark
-    needs pytest < 9)."""
+    """xdist's scope scheduling with :func:`_group` as the scopes. Not the ``xdist_group``
+    mark: under pytest 9.2 it silently groups nothing (pytest-dev/pytest-xdist#1386)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):

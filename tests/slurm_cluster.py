@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddpnb.ssh import free_port
+from ddpnb.constants import free_port
 
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 2
@@ -27,7 +27,7 @@ PARTITION = "debug"
 
 
 def _free_ports(n: int) -> list[int]:
-    """Ports below the ephemeral range (see ddpnb.ssh.free_port), all different."""
+    """Ports below the ephemeral range (see ddpnb.constants.free_port), all different."""
     ports: list[int] = []
     while len(ports) < n:
         port = free_port()

@@ -7,8 +7,8 @@ import pytest
 from conftest import tiny_config
 
 import ddpnb
+from ddpnb.constants import free_port
 from ddpnb.errors import ConfigError
-from ddpnb.ssh import free_port
 
 
 def test_static_node_commands():

@@ -14,8 +14,8 @@ import torch
 from conftest import tiny_config, tmpfs
 
 import ddpnb
+from ddpnb.constants import free_port
 from ddpnb.pipeline import alive
-from ddpnb.ssh import free_port
 
 pytestmark = pytest.mark.slow
 # threads fixed: both runs compute in the same order; digits augmentation draws per rank

@@ -41,7 +41,7 @@ def _read_until(fd: int, want: bytes, seen: bytearray, timeout: float) -> None:
 
 
 def test_ctrl_c_twice_stops_make_lab(tmp_path):
-    from ddpnb.ssh import free_port
+    from ddpnb.constants import free_port
 
     master, slave = os.openpty()
 

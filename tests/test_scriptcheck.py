@@ -16,9 +16,9 @@ from conftest import tiny_config
 from mistakes import EDITS, write_mistakes
 
 import ddpnb
+from ddpnb.constants import free_port
 from ddpnb.script import Script
 from ddpnb.scriptcheck import _parse_args, check_script, load_records, main_check_script
-from ddpnb.ssh import free_port
 
 pytestmark = pytest.mark.slow
 

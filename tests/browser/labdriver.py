@@ -20,8 +20,8 @@ from pathlib import Path
 import nbformat
 
 from ddpnb.agent import descendants
+from ddpnb.constants import free_port
 from ddpnb.pipeline import alive
-from ddpnb.preflight import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
