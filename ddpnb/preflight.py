@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import socket
@@ -56,10 +57,12 @@ def as_config(config: TrainConfig | Mapping[str, Any]) -> TrainConfig:
     raise ConfigError(f"config must be a TrainConfig or a dict, got {type(config).__name__}.")
 
 
+@functools.cache  # torchvision's files do not change under a running kernel
 def _registered_here(model: str) -> bool:
-    """Whether torchvision's classification models register ``model``, read from their source
-    (``@register_model()``, other decorators, then ``def <name>(``) without importing torchvision: that import
-    costs the launcher seconds of CPU. False means "not seen": list_models then decides."""
+    """Whether torchvision's classification models register ``model``, read from their
+    source (``@register_model()``, other decorators, then ``def <name>(``) without importing
+    torchvision, which costs the launcher seconds of CPU. False means "not seen":
+    list_models then decides."""
     spec = importlib.util.find_spec("torchvision")
     for folder in (spec and spec.submodule_search_locations) or []:
         for source in (Path(folder) / "models").glob("*.py"):
