@@ -200,15 +200,22 @@ def failed_ranks(run_dir: Path, node: int, lines: int = 400) -> list[dict]:
     ]
 
 
+_NOT_FATAL = ("Exception ignored in", "Exception in thread")
+
+
 def stderr_traceback(path: Path) -> dict | None:
     """A worker's error in its ``stderr.log`` (for scripts without ``@record``): its last Python
     traceback headed by the exception's first line, else an abort's own first error line."""
     text = read_end(path)
     lines = [_RANK_PREFIX.sub("", line) for line in text.splitlines()]
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call")]
+    # Python goes on past an exception in a thread or an atexit callback: the process's own
+    # is the last traceback not headed "Exception ignored in ..." or "Exception in thread ...".
+    others = [i for i, line in enumerate(lines) if line.startswith(_NOT_FATAL)]
+    start = ([i for i in starts if i - 1 not in others] or starts or [None])[-1]
     said, known = first_error(text)
-    if starts:
-        block = lines[starts[-1] :]
+    if start is not None:
+        block = lines[start : min([i for i in others if i > start], default=len(lines))]
         # The exception's first line: the first one after the frames not indented.
         said = next((ln for ln in block[1:] if ln.strip() and not ln[0].isspace()), said)
         if not said.rstrip().endswith((".", "?", "!", ":")) and ". " in said:
@@ -388,15 +395,19 @@ def lost_node(
     )
 
 
-def died_after_end(run_dir: Path, topology: Topology, nodes: Sequence[int], since: float) -> str:
+def died_after_end(
+    run_dir: Path, topology: Topology, nodes: Sequence[int], since: float
+) -> str | None:
     """A warning when every rank's script ended cleanly (the watch's record at exit) and the
-    ranks that failed died of a signal afterwards, as the interpreter finalised; else ""."""
-    ranks = read_ranks(run_dir, since)
-    if len(ranks) != topology.world_size or not all(r.state == "ended" and r.clean for r in ranks):
-        return ""
+    ranks that failed died of a signal afterwards, as the interpreter finalised; "" when not;
+    None when those ranks did, and the others have not yet written their record at exit."""
+    ranks = {r.rank: r for r in read_ranks(run_dir, since)}
+    done = lambda rank: rank in ranks and ranks[rank].state == "ended" and ranks[rank].clean
     died = [(n, r) for n in nodes for r in failed_ranks(run_dir, n)]
-    if not died or any(r["exit_code"] >= 0 for _, r in died):
+    if not died or any(r["exit_code"] >= 0 or not done(r["rank"]) for _, r in died):
         return ""
+    if not all(done(rank) for rank in range(topology.world_size)):
+        return None  # the others may be exiting too (the launcher waits a few seconds)
     said = worker_errors(run_dir, nodes, topology.nproc_per_node, since)
     said = {rank: info["message"] for _, _, rank, info in said}
     parts = []

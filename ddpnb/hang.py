@@ -243,12 +243,15 @@ WHY = {
 def verdict(ranks: list[RankState], quiet_for: float, limit: float) -> Verdict:
     """Whether the ranks hang, given none has computed or moved for ``quiet_for`` seconds."""
     waiting = [r for r in ranks if r.waits]
-    if not ranks or quiet_for < limit:
+    ended = [r for r in ranks if r.state == "ended"]
+    # A rank seen waiting before another ended may have left its collective as that one
+    # ended (a barrier that released both): only a snapshot taken since shows it still there.
+    unseen = ended and waiting and max(r.age for r in waiting) >= min(r.age for r in ended)
+    if not ranks or quiet_for < limit or unseen:
         if not waiting:
             return Verdict("ok", "", quiet_for)
         return Verdict("waiting", "; ".join(r.line() for r in ranks) + ".", quiet_for)
     others = [r for r in ranks if r.state != "ended" and not r.waits]
-    ended = [r for r in ranks if r.state == "ended"]
     spawn = [r for r in waiting if r.waits_in == SPAWN]
     kind = "hang" if waiting and not others else "slow" if waiting else "quiet"
     apart = len({(r.waits_in, r.where()) for r in waiting}) > 1

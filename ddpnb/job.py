@@ -22,6 +22,7 @@ from .topology import Topology
 
 POLL_SECONDS = 0.2
 WATCH_SECONDS = 1.0  # how often the hang watch reads the ranks' snapshots
+EXIT_GRACE_SECONDS = 10.0  # for the other ranks' records at exit, once one died after its own
 WORKER_LINE = re.compile(rb"^\[rank\d+\]", re.M)  # torchrun's prefix on a worker's output
 TRACEBACK = "Traceback (most recent call last):"
 
@@ -107,6 +108,7 @@ class Job:
         self._ranks: list = []  # ddpnb.hang.RankState per rank
         self._output: tuple = ()  # the node logs' sizes and the progress file's time
         self._output_moved = time.time()
+        self._failed_at: float | None = None  # when a node was first seen failed
         _live_jobs.add(self)
 
     nnodes = property(lambda self: self.topology.nnodes)
@@ -238,7 +240,13 @@ class Job:
             time.sleep(0.5)  # give the other agents a moment to write their error files
             self.scheduler.fetch()
             self.scheduler.sync_stacks(False)
-            if note := died_after_end(self.run_dir, self.topology, [*codes], self.started_at):
+            note = died_after_end(self.run_dir, self.topology, [*codes], self.started_at)
+            # The ranks that died had ended their scripts: the others' records at exit decide.
+            self._failed_at = self._failed_at or time.monotonic()
+            waited = time.monotonic() - self._failed_at
+            if note is None and None in codes.values() and waited < EXIT_GRACE_SECONDS:
+                return False
+            if note:
                 if None in codes.values():  # their ranks ended: torchrun waits for the lost agent
                     self.scheduler.stop()
                 self.warnings.append(note)

@@ -105,7 +105,10 @@ class Ssh:
         try:
             out = subprocess.run(cmd, input=input, capture_output=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return b"", f"did not answer within {timeout:.0f} s"
+            hint = (
+                f"`ssh {host.spec} true` should return at once; a ~/.bashrc that waits delays all"
+            )
+            return b"", f"did not answer within {timeout:.0f} s ({hint})"
         except OSError as e:
             return b"", f"could not run ssh ({e})"
         why = ssh_failure(out.returncode, out.stderr.decode(errors="replace"), python)

@@ -36,7 +36,7 @@ def activate(folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
     active = _Watch(folder, float(os.environ.get(INTERVAL_ENV) or 2.0))
     threading.Thread(target=active.run, name="ddpnb-watch", daemon=True).start()
-    atexit.register(active.write, "ended")
+    atexit.register(active.end)
 
 
 def install(torch) -> None:
@@ -153,6 +153,7 @@ class _Watch:
         self.cpu = main_cpu_clock()
         self.cpu_last = self.cpu()
         self.ended = False
+        self.lock = threading.Lock()
         env = lambda name: int(os.environ.get(name) or 0)
         self.about = {
             "rank": env("RANK"),
@@ -172,9 +173,24 @@ class _Watch:
             with contextlib.suppress(Exception):  # a full disk, a torn interpreter at exit
                 self.write("running")
 
-    def write(self, state: str) -> None:
-        if os.getpid() != self.pid or self.ended:
+    def end(self) -> None:
+        """The last record (atexit): its failure is never printed (the worker's last traceback
+        in stderr must be the script's own, the one the diagnosis reads)."""
+        with contextlib.suppress(Exception):
+            self.write("ended", wait=5.0)  # not forever behind a snapshot stuck in NCCL
+
+    def write(self, state: str, wait: float = -1) -> None:
+        if os.getpid() != self.pid:
             return  # a forked child (a DataLoader worker) has no watch of its own
+        # The thread's and the exit's writes share one temporary file: one at a time.
+        if self.lock.acquire(timeout=wait):
+            try:
+                if not self.ended:
+                    self._write(state)
+            finally:
+                self.lock.release()
+
+    def _write(self, state: str) -> None:
         self.ended = state == "ended"
         now = time.time()
         stack = [] if self.ended else main_stack()

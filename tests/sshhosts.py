@@ -4,8 +4,10 @@ Each host is a network namespace whose ``ddpnb0`` interface sits on a bridge in 
 namespace, and runs two Debian ``sshd`` servers with a throwaway host key:
 
 - port 22 shares this machine's filesystem (a cluster with a shared filesystem);
-- port 2222 runs in a private mount namespace with a tmpfs over :data:`PRIVATE_ROOT`
-  (a host that sees none of the launcher's files there).
+- port 2222 also has a tmpfs over ``/tmp/ddpnb-private-<tag>`` (a host that sees none of
+  the launcher's files there).
+
+Both see root's shell startup files empty (:func:`_masked_rc`), as on a fresh server.
 
 The client side is an ``ssh_config`` written here (key, known_hosts, user): nothing of
 the machine's own SSH setup is read or changed. Everything is removed on exit.
@@ -131,6 +133,19 @@ def _resolv_conf() -> str:
         return ""
 
 
+def _masked_rc() -> list[str]:
+    """Root's shell startup files, which every host's sessions see empty.
+
+    bash runs ~/.bashrc for every SSH command; this machine's runs ``pyenv init``, whose
+    ``pyenv rehash`` waits 60 s for a lock that a session killed mid-rehash (as the tests
+    that end hosts do) leaves behind: every later SSH command then waited past the 15 s
+    preflight. A test host starts clean, like a fresh server, whatever this machine's are.
+    """
+    home = Path(os.path.expanduser("~root"))
+    names = (".bashrc", ".bash_profile", ".bash_login", ".profile")
+    return [str(home / name) for name in names if (home / name).is_file()]
+
+
 @contextlib.contextmanager
 def ssh_hosts(tmp: Path, tag: int, count: int = 2, second_network: bool = False):
     """Start ``count`` SSH hosts; yield an :class:`SshHosts`.
@@ -162,6 +177,8 @@ def ssh_hosts(tmp: Path, tag: int, count: int = 2, second_network: bool = False)
             ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "id")], check=True
         )
         shutil.copyfile(tmp / "id.pub", tmp / "authorized_keys")
+        empty, masked = tmp / "empty_rc", _masked_rc()
+        empty.write_text("")
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
         private_root.mkdir(exist_ok=True)
         _ip("link", "add", bridge, "type", "bridge")
@@ -193,20 +210,14 @@ def ssh_hosts(tmp: Path, tag: int, count: int = 2, second_network: bool = False)
                     "PrintMotd no\nLogLevel ERROR\n"
                 )
                 sshd = [SSHD, "-D", "-e", "-f", str(conf)]
+                # sshd and every session it starts see empty shell startup files in root's
+                # home (see _masked_rc) and, on the private server, a tmpfs at private_root.
+                mounts = [f"mount --bind {empty} {rc}" for rc in masked]
                 if is_private:
-                    # sshd and every session it starts see a private tmpfs at private_root.
-                    script = f'mount -t tmpfs ddpnb-private {private_root} && exec "$@"'
-                    sshd = [
-                        "unshare",
-                        "--mount",
-                        "--propagation",
-                        "private",
-                        "sh",
-                        "-c",
-                        script,
-                        "sh",
-                        *sshd,
-                    ]
+                    mounts.append(f"mount -t tmpfs ddpnb-private {private_root}")
+                script = " && ".join([*mounts, 'exec "$@"'])
+                sshd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
+                        "sh", *sshd]  # fmt: skip
                 procs[name] = subprocess.Popen(
                     ["ip", "netns", "exec", ns, *sshd],
                     stdin=subprocess.DEVNULL,

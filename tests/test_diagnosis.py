@@ -141,6 +141,59 @@ def test_a_run_whose_ranks_all_ended_then_one_aborts_at_exit_is_finished(tmp_pat
     assert "terminate called without an active exception" in note and job.warnings == [note]
 
 
+def test_the_workers_own_traceback_not_one_python_went_on_past(tmp_path):
+    """A thread's or an atexit callback's traceback after the fatal one is not the error."""
+    from ddpnb.diagnosis import stderr_traceback
+
+    log = tmp_path / "stderr.log"
+    log.write_text(
+        "[rank0]: Traceback (most recent call last):\n"
+        '[rank0]:   File "/run/train.py", line 7, in <module>\n'
+        "[rank0]:     model = DDP(model)\n"
+        "[rank0]: ValueError: Default process group has not been initialized, please make sure"
+        " to call init_process_group.\n"
+        "Exception ignored in atexit callback: <bound method _Watch.end>\n"
+        "Traceback (most recent call last):\n"
+        '  File "/run/.ddpnb/ddpnb_watch.py", line 210, in write\n'
+        "FileNotFoundError: [Errno 2] No such file or directory\n"
+        "Exception in thread loader:\n"
+        "Traceback (most recent call last):\n"
+        '  File "/run/train.py", line 3, in load\n'
+        "OSError: gone\n"
+    )
+    found = stderr_traceback(log)
+    assert found["message"].startswith("ValueError: Default process group has not been init")
+    assert 'train.py", line 7' in found["traceback"] and "FileNotFound" not in found["traceback"]
+    ignored = log.read_text().index("Exception ignored")
+    log.write_text(log.read_text()[ignored:])  # only tracebacks Python went on past: the last
+    assert stderr_traceback(log)["message"] == "OSError: gone"
+
+
+def test_an_abort_at_exit_waits_for_the_other_ranks_records_at_exit(tmp_path):
+    """Rank 1 died of SIGABRT after its script ended: finished once rank 0's record says it
+    ended too; until then "not yet" (None), not a failure; a rank that failed is not."""
+    from ddpnb.diagnosis import died_after_end
+
+    watch = tmp_path / ".ddpnb" / "watch"
+    watch.mkdir(parents=True)
+    (tmp_path / "logs").mkdir()
+    summary = "  rank      : 1 (local_rank: 0)\n  exitcode  : -6 (pid: 9)\n"
+    (tmp_path / "logs" / "node-1.log").write_text(summary)
+
+    def record(rank, state, clean):
+        about = {"rank": rank, "node": rank, "host": "h", "pid": 1, "steps": 3, "world_size": 2}
+        record = {**about, "state": state, "clean": clean, "time": time.time(), "still": 0}
+        (watch / f"rank-{rank}.json").write_text(json.dumps({**record, "process_group": False}))
+
+    record(1, "ended", True)
+    record(0, "running", False)
+    assert died_after_end(tmp_path, TOPO, [0, 1], since=0) is None
+    record(0, "ended", True)
+    assert "The run finished" in died_after_end(tmp_path, TOPO, [0, 1], since=0)
+    record(1, "running", False)  # the rank that died had not ended its script: a failure
+    assert died_after_end(tmp_path, TOPO, [0, 1], since=0) == ""
+
+
 def test_a_worker_log_missing_empty_binary_or_huge_is_diagnosed_in_seconds(tmp_path):
     """Bad input: the diagnosis reads what it can and never raises an error of its own."""
     logs = tmp_path / "logs"

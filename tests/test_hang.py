@@ -96,8 +96,12 @@ def test_a_rank_writing_a_checkpoint_is_a_slow_phase_not_a_bug():
 
 
 def test_a_rank_that_left_while_others_wait_is_named():
-    v = verdict([rank(0, BACKWARD), rank(1, state="ended")], 70, 60)
+    v = verdict([rank(0, BACKWARD), rank(1, state="ended", age=30.0)], 70, 60)
     assert v.kind == "hang" and "rank 1 ended while rank 0 waits in a collective" in v.message
+    # Rank 0 last seen waiting before rank 1 ended (a barrier that released both as rank 1
+    # left): not a hang until a snapshot since shows rank 0 still waiting.
+    v = verdict([rank(0, BARRIER, age=1.5), rank(1, state="ended", age=1.0)], 70, 2)
+    assert v.kind == "waiting" and not v.cause
 
 
 def test_buffer_broadcast_and_spawn_are_named():
