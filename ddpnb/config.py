@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from .constants import usable_cpus
 from .errors import ConfigError
 
 Backend = Literal["auto", "gloo", "nccl"]
@@ -36,7 +37,7 @@ def check_int(name: str, value: object, low: int = 1, high: int | None = None) -
 
 def _default_num_workers() -> int:
     # DataLoader workers compete with compute for the cores: only big hosts get a few.
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     return 0 if cores <= 4 else min(4, cores // 4)
 
 

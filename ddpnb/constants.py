@@ -46,11 +46,72 @@ def dataset_fingerprint(root: str | os.PathLike) -> str:
 
 def threads_for_host(procs_on_host: int, cores: int | None = None) -> int:
     # Each process gets its share of the cores: default threads oversubscribe them (8x slower,
-    # measured). ``cores``: another host's; None: the CPUs this process may use (Slurm, taskset).
-    if cores is None:
-        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
-        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
-    return max(1, cores // max(1, procs_on_host))
+    # measured). ``cores``: another host's; None: this one's (usable_cpus).
+    return max(1, (cores or usable_cpus()) // max(1, procs_on_host))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: its affinity (Slurm, taskset) or its CPU quota, the smaller.
+
+    A container's CPU limit (JupyterHub's cpu_limit, Docker --cpus, Kubernetes limits.cpu) is a
+    CFS quota that neither os.cpu_count() nor the affinity shows: a 2-CPU limit on a 64-core host
+    would otherwise get 64 threads per process, throttled most of each period.
+    """
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
+    cpus = len(affinity(0)) if affinity else os.cpu_count() or 1
+    quota = cpu_quota()
+    return max(1, min(cpus, int(quota))) if quota else cpus
+
+
+def cpu_quota() -> float | None:
+    """CPUs' worth of time this process's cgroups allow per period (the smallest limit on the
+    path to the root, cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``); None if unlimited."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            groups = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None  # not Linux
+    limits = []
+    for fields in mounts:
+        sep = fields.index("-") if "-" in fields else -1
+        if sep < 0 or len(fields) < sep + 4:
+            continue
+        root, point, fstype, options = fields[3], fields[4], fields[sep + 1], fields[sep + 3]
+        v2 = fstype == "cgroup2"
+        if not v2 and not (fstype == "cgroup" and "cpu" in options.split(",")):
+            continue
+        for _, controllers, path in groups:
+            if v2 != (controllers == "") or (not v2 and "cpu" not in controllers.split(",")):
+                continue
+            rel = os.path.relpath(path, root) if path.startswith(root) else "."
+            folder = os.path.normpath(os.path.join(point, rel))
+            while folder.startswith(point):  # this cgroup and each parent up to the mount
+                limits.append(_cgroup_limit(folder, v2))
+                if folder == point:
+                    break
+                folder = os.path.dirname(folder)
+    limits = [x for x in limits if x]
+    return min(limits) if limits else None
+
+
+def _cgroup_limit(folder: str, v2: bool) -> float | None:
+    """One cgroup's CPU limit in CPUs, None if it has none (or it cannot be read)."""
+    try:
+        if v2:
+            with open(os.path.join(folder, "cpu.max")) as f:
+                quota, period = (f.read().split() + ["100000"])[:2]
+        else:
+            with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        if quota in ("max", "-1") or int(period) <= 0:
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

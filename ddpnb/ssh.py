@@ -17,7 +17,14 @@ import tarfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .constants import dataset_files, dataset_fingerprint, free_port
+from .constants import (
+    _cgroup_limit,
+    cpu_quota,
+    dataset_files,
+    dataset_fingerprint,
+    free_port,
+    usable_cpus,
+)
 from .errors import ConfigError
 
 # Unless ssh_options say otherwise (ssh keeps an option's first value): never prompt, which
@@ -163,8 +170,7 @@ def probe(args: dict) -> None:
     """
     import importlib.metadata as md
 
-    affinity = getattr(os, "sched_getaffinity", None)
-    out = {"python": sys.executable, "cpus": len(affinity(0)) if affinity else os.cpu_count()}
+    out = {"python": sys.executable, "cpus": usable_cpus()}  # a CPU limit counts too
     for pkg in ("torch", "torchvision"):  # None: not installed
         out[pkg] = next((d.version for d in md.distributions(name=pkg)), None)
     data = args["data_dir"]
@@ -212,7 +218,8 @@ def unpack(dest: str, clean: list[str] = (), stream=None) -> None:
                 os.replace(tmp, target)  # a reader never sees half a file
 
 
-_SHIPPED = (dataset_files, dataset_fingerprint, free_port, probe, pack, unpack)
+_SHIPPED = (dataset_files, dataset_fingerprint, free_port, usable_cpus, cpu_quota, _cgroup_limit)
+_SHIPPED += (probe, pack, unpack)
 
 
 @functools.cache
