@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .demo import ipc_kernel_manager
 from .errors import ConfigError
 from .metrics import load_metrics, read_json
 from .tables import Table
@@ -201,7 +200,8 @@ def plan(notebook: Path, out_dir: Path, grid: dict, parameters: dict, cwd: Path)
 
 
 def _check_existing(points: list[Point], notebook: Path) -> None:
-    """Nothing a user produced is replaced, no point redone otherwise (without ``overwrite``)."""
+    """Nothing a user produced is replaced, no point done redone otherwise (without ``overwrite``);
+    a point that failed is retried, with the settings given now (a corrected data_dir)."""
     for point in points:
         if not (record := point.record()):
             if taken := [p for p in (point.notebook, point.folder) if p.exists()]:
@@ -210,6 +210,8 @@ def _check_existing(points: list[Point], notebook: Path) -> None:
                     "output folder, or pass overwrite=True (--overwrite) to replace it."
                 )
             continue
+        if record.get("status") != "done":
+            continue  # a failed or stopped point is run again, with the settings given now
         changed = []
         if record.get("notebook") != str(notebook):
             changed.append(f"notebook {record.get('notebook')} then, {notebook} now")
@@ -274,6 +276,7 @@ def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: s
     # An Event, not Thread.join: before Python 3.13 a join interrupted by Ctrl-C can mark
     # the thread as ended while it still runs (the bpo-45274 branch of _wait_for_tstate_lock).
     finished = threading.Event()
+    from .demo import ipc_kernel_manager  # here: `python -m ddpnb.demo` must find it unloaded
 
     class Recording(ipc_kernel_manager()):
         def __init__(self, **kwargs):

@@ -51,6 +51,10 @@ def test_import_ddpnb_loads_no_backend_but_the_simulated_nodes():
     loaded = set(ast.literal_eval(out.stdout))
     assert {"ddpnb.launch", "ddpnb.local", "ddpnb.pipeline"} <= loaded
     assert not loaded & {"ddpnb.remote", "ddpnb.ssh", "ddpnb.network", "ddpnb.slurm"}, loaded
+    # `make demo` runs `python -m ddpnb.demo`: a module imported before it runs is warned about.
+    assert "ddpnb.demo" not in loaded
+    demo = [sys.executable, "-m", "ddpnb.demo", "--help"]
+    assert subprocess.run(demo, capture_output=True, text=True, check=True).stderr == ""
 
 
 def test_the_launch_function_survives_importing_its_module():

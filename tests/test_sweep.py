@@ -160,6 +160,16 @@ def test_a_rerun_skips_done_points_retries_failed_ones_and_overwrite_redoes(swep
     assert {p: p.stat().st_mtime_ns for p in done} == kept
     assert failed.stat().st_mtime_ns > failed_before  # run again
     assert float(_rows(out)["batch_size=8"]["val_acc"]) >= 0  # metrics of a skipped point
+    # Other settings: a failed point is retried with them (a corrected data_dir, say); a done
+    # point is refused before anything runs.
+    other = {**SMALL, "max_steps_per_epoch": 3}
+    failed_before = failed.stat().st_mtime_ns
+    with pytest.raises(ConfigError, match="batch_size=8 .* was run with other settings"):
+        ddpnb.sweep(NB02, out, {"batch_size": [8, 0]}, other, cwd=where)
+    assert failed.stat().st_mtime_ns == failed_before  # refused: nothing ran
+    result = ddpnb.sweep(NB02, out, {"batch_size": [0]}, other, cwd=where)
+    assert [row["status"] for row in result] == ["failed"]  # ran again: batch_size 0 fails
+    assert failed.stat().st_mtime_ns > failed_before
     # overwrite=True redoes a done point (the Python API; one point, to keep the test short).
     result = ddpnb.sweep(NB02, out, {"batch_size": [8]}, SMALL, overwrite=True, cwd=where)
     assert result.ok and [row["status"] for row in result] == ["done"]
