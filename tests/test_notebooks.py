@@ -46,6 +46,9 @@ def test_committed_without_outputs_and_with_parameters(name):
     first = code[0]
     assert "parameters" in first.metadata.get("tags", [])
     assert nb.metadata["kernelspec"]["name"] == "python3"
+    # What the learner will be able to do, first; what to keep, last (the guide: the schedule).
+    assert "**Objectives.** After this notebook you can" in nb.cells[0].source
+    assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.startswith("## Key points")
 
 
 @pytest.mark.parametrize("name", ALL)
