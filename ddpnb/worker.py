@@ -152,6 +152,8 @@ def join_process_group(backend: str, timeout_seconds: int, me: Rank, device: tor
         dist.init_process_group(backend, timeout=timeout, **bound)  # MASTER_ADDR etc. from torchrun
         return
     store = attempt_store(me.restart_count, timeout)  # Part 2: clean keys for each attempt
+    # Handed a store, init_process_group needs rank= and world_size= too (torch asks for all
+    # three): both are torchrun's, read from its environment, never chosen by the script.
     dist.init_process_group(
         backend,
         store=store,

