@@ -85,6 +85,8 @@ def assert_nothing_left(report) -> None:
 
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_mistake_is_found_with_its_line_and_evidence(name):
+    """Each classic mistake's script: the check names exactly it, at its line, with what it
+    measured. Up to 35 s for those that must run until a collective times out or hangs."""
     number, line, measured = MISTAKES[name]
     report = checked(name)
     assert report.error is None, str(report)
@@ -122,6 +124,8 @@ def test_facts_and_what_was_checked():
 
 
 def test_tutorial_worker_is_clean(tiny_data, tmp_path):
+    """ddpnb's own worker passes its own check (no false finding). About 33 s: the check runs
+    it on two simulated nodes into its second epoch (torchvision's model), as any script."""
     src = tmp_path / "src"
     worker = ddpnb.write_worker(tiny_config(tiny_data, epochs=100), src)
     script = Script(worker, args=["--config", "config.json"], files=[src / "config.json"])

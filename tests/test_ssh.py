@@ -228,6 +228,10 @@ KERNEL_KILL = textwrap.dedent(
 
 @pytest.mark.parametrize("how", ["sigkill", "sigint", "sigterm-cli"])
 def test_the_launcher_ending_ends_every_host(hosts, tiny_data, tmp_path, how):
+    """The launcher killed, interrupted or terminated mid-run: no process is left on any host.
+
+    About 35 s each: a launch on two hosts (preflight, network check, two torchruns) must
+    be training before the launcher is ended; then the hosts' agents get their grace."""
     cfg = tiny_config(tiny_data, threads=1, epochs=200)
     run = tmp_path / "run"
     if how in ("sigkill", "sigint"):  # a kernel killed outright, or a cell interrupted
@@ -341,6 +345,10 @@ def test_notebook_07_with_no_hosts_teaches_and_starts_nothing(tiny_data, tmp_pat
 
 
 def test_notebook_07_on_two_hosts(hosts, tiny_data, layout_run, tmp_path):
+    """Notebook 07 top to bottom on two SSH hosts, its curves beside the simulated run's.
+
+    About 45 s: a kernel, the preflight and network check, and a training on the hosts; the
+    notebook is the product the learner runs, so it runs whole."""
     simulated = layout_run("2x1").run_dir
     text = _run_notebook_07(
         tmp_path,
@@ -365,6 +373,8 @@ OWN = Path(__file__).with_name("own")
 
 
 def test_your_own_script_on_hosts_without_the_shared_filesystem(hosts, tmp_path):
+    """A user's script with a module beside it, copied to hosts that share nothing, its
+    outputs brought back. About 40 s: a launch on two hosts with copies both ways."""
     run = hosts.private_root / f"own-{os.getpid()}"
     try:
         script = ddpnb.Script(OWN / "linear.py", args=["2", "x y"], files=[OWN / "datautils.py"])
