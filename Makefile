@@ -41,6 +41,9 @@ lint: setup
 # turn off JupyterLab's news and update pop-ups (a participant can turn them on again in
 # Settings). Loopback only; the URL with its token is printed. As root (containers)
 # JupyterLab refuses to start without --allow-root.
+# The server runs in $(LAB_DIR) with .venv/bin first on PATH: JupyterLab's terminals open
+# there (it asks for a folder relative to the server's own), with `ddpnb` and `python` the
+# venv's, so the README's commands typed there find the notebooks' data/ and runs/.
 # LAB_ARGS adds JupyterLab options (the browser test passes its port and token).
 LAB_DIR ?= workshop
 LAB_ARGS ?=
@@ -50,7 +53,8 @@ lab: setup
 	printf '%s\n' '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' > "$(LAB_OVERRIDES)"
 	for nb in notebooks/*.ipynb; do test -e "$(LAB_DIR)/$${nb##*/}" || cp "$$nb" "$(LAB_DIR)/"; done
 	test -e "$(LAB_DIR)/solutions" || cp -R notebooks/solutions "$(LAB_DIR)/"
-	exec $(VENV)/bin/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir="$(LAB_DIR)" --no-browser \
+	cd "$(LAB_DIR)" && exec env PATH="$(abspath $(VENV))/bin:$$PATH" "$(abspath $(VENV))/bin/jupyter" \
+		lab --ip=127.0.0.1 --ServerApp.root_dir=. --no-browser \
 		--LabApp.news_url=None $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # An offline room: every wheel setup installs (pip itself, the build backend of the editable

@@ -1,4 +1,5 @@
-"""``make lab`` in a terminal: Ctrl-C twice stops JupyterLab, as the README says.
+"""``make lab`` in a terminal: Ctrl-C twice stops JupyterLab, as the README says; its own
+terminals open in the lab's folder with the venv's ``ddpnb`` on PATH.
 
 The server runs under a real pseudo-terminal (its controlling terminal), and Ctrl-C is
 typed into it: the terminal, not the test, turns it into SIGINT for the foreground
@@ -40,9 +41,42 @@ def _read_until(fd: int, want: bytes, seen: bytearray, timeout: float) -> None:
                 return
 
 
+def _in_a_lab_terminal(port: int, token: str, command: str, want: str) -> str:
+    """What ``command`` prints in a terminal opened as JupyterLab's launcher opens one (the
+    file browser's folder, here its root '', as ``cwd``), until ``want`` is printed."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from tornado.websocket import websocket_connect
+
+    base = f"127.0.0.1:{port}"
+    request = urllib.request.Request(
+        f"http://{base}/api/terminals?token={token}",
+        data=json.dumps({"cwd": ""}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=20) as r:
+        name = json.load(r)["name"]
+
+    async def talk() -> str:
+        ws = await websocket_connect(f"ws://{base}/terminals/websocket/{name}?token={token}")
+        await ws.write_message(json.dumps(["stdin", f"{command}\r"]))
+        said, deadline = "", time.monotonic() + 20
+        while want not in said and time.monotonic() < deadline:
+            message = await asyncio.wait_for(ws.read_message(), deadline - time.monotonic())
+            kind, *rest = json.loads(message or '["disconnect"]')
+            said += rest[0] if kind == "stdout" else ""
+        ws.close()
+        return said
+
+    return asyncio.run(talk())
+
+
 def test_ctrl_c_twice_stops_make_lab(tmp_path):
     from ddpnb.constants import free_port
 
+    port, token = free_port(), secrets.token_hex(8)
     master, slave = os.openpty()
 
     def controlling_terminal() -> None:  # a session of its own, the pty its terminal
@@ -51,7 +85,8 @@ def test_ctrl_c_twice_stops_make_lab(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     env["JUPYTER_RUNTIME_DIR"] = str(tmp_path / "runtime")
-    args = f"--port={free_port()} --ServerApp.port_retries=0 --IdentityProvider.token={secrets.token_hex(8)}"
+    env["SHELL"] = "/bin/sh"  # the terminals' shell: not this machine's ~/.bashrc (pyenv's)
+    args = f"--port={port} --ServerApp.port_retries=0 --IdentityProvider.token={token}"
     proc = subprocess.Popen(
         ["make", "--no-print-directory", "-C", str(REPO), "-o", f"{VENV}/.installed",
          f"VENV={VENV}", f"LAB_DIR={tmp_path / 'lab'}", f"LAB_ARGS={args}", "lab"],
@@ -61,6 +96,11 @@ def test_ctrl_c_twice_stops_make_lab(tmp_path):
     seen = bytearray()
     try:
         _read_until(master, b"http://127.0.0.1:", seen, 90)
+        # The README's commands typed in JupyterLab's terminal: in the lab's folder, the
+        # venv's ddpnb on PATH.
+        where = f"at {tmp_path / 'lab'} {VENV / 'bin' / 'ddpnb'} end"
+        said = _in_a_lab_terminal(port, token, "echo at $(pwd) $(command -v ddpnb) end", where)
+        assert where in said, said
         time.sleep(1)
         os.write(master, CTRL_C)
         _read_until(master, b"Shut down this Jupyter server", seen, 20)
