@@ -182,9 +182,11 @@ class Job:
     def log_tail(self, node: int = 0, lines: int = 20) -> str:
         return log_tail(self.run_dir, node, lines)
 
-    def node_steps(self) -> dict[int, int]:
-        """Optimizer steps per node so far (its first rank's: reversed, it is written last)."""
-        return {r.node: r.steps for r in reversed(self._ranks)}
+    def steps(self) -> int | None:
+        """The run's optimizer steps so far (None before the watch's first snapshot): the most
+        any rank made. DDP's ranks step together; each count is from its rank's last snapshot
+        (every 2 s, not at the same moment), so per rank they would seem to differ."""
+        return max((r.steps for r in self._ranks), default=None)
 
     def stacks(self) -> Stacks:
         """Where every rank is now: the user's line and what it waits in, torch's frames folded

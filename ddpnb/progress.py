@@ -226,7 +226,7 @@ class WidgetProgress:
         self.update()
 
     def _set_nodes(self) -> None:
-        steps = self.job.node_steps()  # optimizer steps, from the hang watch
+        steps = self.job.steps()  # the run's optimizer steps, from the hang watch
         for n, state in self.job.node_status().items():
             color = STATUS_COLORS.get(state.split(" ")[0], "#888")  # grey: stopped, external
             per, first = self.job.nproc_per_node, n * self.job.nproc_per_node
@@ -234,8 +234,8 @@ class WidgetProgress:
             role = f" on {escape(self.job.hosts[n])}" if self.job.hosts else ""  # SSH's hosts
             role += " (master, hosts the rendezvous)" if n == 0 else ""
             last = escape(self.job.last_line(n)[:200])  # the node's latest line; CSS cuts its end
-            if n in steps:
-                last = f"{steps[n]} optimizer steps · {last}"
+            if steps is not None:
+                last = f"{steps} optimizer steps · {last}"
             elapsed = (self.job.ended_at or time.time()) - self.job.started_at
             # One line however narrow the panel (a file browser open beside it): the last
             # line takes the room that is left and its end is cut.

@@ -86,6 +86,19 @@ def test_ranks_that_wait_are_shown_waiting_once(tmp_path, capsys):
     assert "<b>Waiting</b>: rank 0 waits in barrier at train.py:9 for 6 s." in panel.waiting.value
 
 
+def test_every_node_shows_the_runs_one_count_of_optimizer_steps(tmp_path):
+    """Snapshots of ranks in lockstep are taken at different moments (114 and 105 steps): one
+    count, the run's, on every node's row."""
+    from ddpnb.hang import RankState
+
+    job = _job(_fake_run(tmp_path / "r", 2), nnodes=2)
+    about = dict(host="h", pid=1, state="running", still=1.0, process_group=True, frames=())
+    job._ranks = [RankState(r, r, steps=n, age=0.5, **about) for r, n in ((0, 114), (1, 105))]
+    panel = WidgetProgress(job)
+    panel.update()
+    assert all("114 optimizer steps" in row.value for row in panel.node_rows)
+
+
 @pytest.mark.parametrize(
     "cmdline, server",
     [
