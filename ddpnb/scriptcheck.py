@@ -150,6 +150,9 @@ class Finding:
         self.title = TITLES[self.number]
 
 
+WRAP = "white-space:pre-wrap;overflow-wrap:anywhere"  # code that wraps inside its column
+
+
 def _tr(*cells: str, tag: str = "td") -> str:
     return "".join(
         f"<{tag} style='text-align:left;vertical-align:top'>{c}</{tag}>" for c in cells
@@ -213,19 +216,33 @@ class ScriptReport:
             _tr(
                 str(i),
                 f"<b>{e(f.title)}</b><br><small>mistake {f.number}</small>",
-                "<br>".join(f"<code>{e(x)}</code>" for x in (f.where, f.source) if x),
+                "<br>".join(
+                    f"<code style='{WRAP}'>{e(x)}</code>" for x in (f.where, f.source) if x
+                ),
                 *map(e, (f.seen, f.why)),
-                f"<code>{e(f.fix)}</code>",
+                f"<code style='{WRAP}'>{e(f.fix)}</code>",
             )
             for i, f in enumerate(self.findings, 1)
         )
         head = _tr("#", "finding", "where", "seen", "why it matters", "fix", tag="th")
+        # Widths fixed, code wrapped: else a long fix in <code> takes the row's width and the
+        # prose columns get a few words each.
+        cols = "".join(f"<col style='width:{w}%'>" for w in (3, 14, 15, 28, 20, 20))
         facts = "".join(_tr(f"<b>{e(k)}</b>", e(v)) for k, v in self.facts.items())
         checked = "".join(f"<li>{e(n)}</li>" for n in self.checked)
         error = f"<p>The script could not run:</p><pre>{e(self.error)}</pre>" if self.error else ""
+        # The verdict set apart: green when clean, red with mistakes, grey when unchecked.
+        color = "#c62828" if self.findings or self.error else "#2e7d32"
+        color = "#757575" if self.unchecked is not None and not self.findings else color
+        badge = f"padding:2px 8px;border-radius:3px;color:white;background:{color}"
         return (
-            f"<div><p><b>ddpnb check-script</b>: {e(self.summary())}</p>"
-            + (f"<table>{head}{rows}</table>" if rows else "")
+            f"<div><p><b>ddpnb check-script</b>: <span style='{badge}'>{e(self.summary())}</span></p>"
+            + (
+                f"<table style='width:100%;table-layout:fixed'><colgroup>{cols}</colgroup>{head}{rows}"
+                "</table>"
+                if rows
+                else ""
+            )
             + f"<table>{facts}</table><details><summary>checked</summary><ul>{checked}</ul>"
             f"</details>{error}</div>"
         )

@@ -293,3 +293,18 @@ def test_a_script_that_cannot_start_still_exits_2(tmp_path):
     report = check_script(Script(tmp_path / "imports.py"))
     assert report.exit_code == 2 and report.findings == [], str(report)
     assert "No module named 'not_a_module_of_ddpnb'" in report.error
+
+
+def test_the_report_in_a_notebook_sets_the_verdict_apart_and_gives_prose_its_width():
+    """No process: the HTML a notebook shows. Clean is green, mistakes red; the table's
+    columns have widths (JupyterLab squeezed "why it matters" to a few words)."""
+    from ddpnb.scriptcheck import Finding, ScriptReport
+
+    clean = ScriptReport("a.py", "2 nodes x 1", [], {}, [], "ended", seconds=9)
+    assert "background:#2e7d32'>a.py on 2 nodes x 1: no mistake found" in clean._repr_html_()
+    finding = Finding(6, "a.py:9", "both ranks saved it", "a torn file", "if rank == 0: save")
+    found = ScriptReport("a.py", "2 nodes x 1", [finding], {}, [], "ended", seconds=9)
+    page = found._repr_html_()
+    assert "background:#c62828'>a.py on 2 nodes x 1: 1 mistake(s) found" in page
+    assert "table-layout:fixed" in page and page.count("<col style='width:") == 6
+    assert "white-space:pre-wrap" in page and "mistake 6</small>" in page
