@@ -59,8 +59,12 @@ def plot_curves(runs: RunLike | Sequence[RunLike], labels: Sequence[str] | None 
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs: 1, 2, never 1.5
-        if ax.lines:
-            ax.legend(fontsize=8)
+    # One legend for both plots, below them: inside, a sweep's many entries covered the curves.
+    entries = dict(zip(*reversed(ax_loss.get_legend_handles_labels())))
+    entries |= dict(zip(*reversed(ax_acc.get_legend_handles_labels())))
+    if entries:
+        fig.legend(entries.values(), entries.keys(), loc="outside lower center", fontsize=8,
+                   ncols=min(4, len(entries)))  # fmt: skip
     return fig
 
 

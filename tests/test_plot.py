@@ -53,7 +53,12 @@ def test_plot_curves_overlays_runs_and_marks_restarts(tmp_path):
     resumed = acc_ax.get_lines()[-1]
     assert list(resumed.get_xdata()) == [3]
     assert list(loss_ax.get_lines()[1].get_ydata()) == [2.2 / e for e in range(1, 5)]
+    # One legend, the figure's, below the plots: none inside an axis, over the curves.
+    assert loss_ax.get_legend() is None and acc_ax.get_legend() is None
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == labels
     fig.savefig(tmp_path / "c.png")
+    legend, axes = fig.legends[0].get_window_extent(), [ax.get_window_extent() for ax in fig.axes]
+    assert all(legend.y1 <= box.y0 for box in axes)  # drawn: under both plots
 
 
 def test_plot_throughput_bars(tmp_path):
