@@ -17,11 +17,12 @@ from .preflight import as_config
 from .script import Script
 from .topology import Topology
 
+TRUST_NOTE = "# The rendezvous store is unauthenticated: use a trusted, private network only."
 FINGERPRINT_NOTE = (
     "# Every node must hold the identical dataset at data_dir (copy it with rsync -a, or use a\n"
     "# shared filesystem). At start-up the ranks compare dataset fingerprints and stop with an\n"
     "# error naming the nodes whose data differ. `ddpnb check DIR` prints a node's fingerprint.\n"
-    "# The rendezvous store is unauthenticated: use a trusted, private network only."
+    + TRUST_NOTE
 )
 
 

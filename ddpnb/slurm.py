@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .cluster import FINGERPRINT_NOTE
+from .cluster import FINGERPRINT_NOTE, TRUST_NOTE
 from .config import TrainConfig
 from .diagnosis import log_tail, resume_hint, tail
 from .errors import (
@@ -38,8 +38,9 @@ from .metrics import read_json, read_progress
 from .pipeline import run
 from .plan import HANG_TIMEOUT
 from .preflight import as_config, check_progress
+from .reporting import RUN_DIR_ENV
 from .rundir import WORKER_NAME
-from .script import MESHCHECK_NAME, Script
+from .script import CONSTANTS_NAME, MESHCHECK_NAME, Script
 from .topology import Topology
 
 POLL_SECONDS = 2.0  # between questions to slurmctld: a shared service, asked gently
@@ -137,9 +138,9 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # The address Slurm itself uses for that node (a node name need not resolve everywhere).
 head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
 export head_node=${{head_addr:-$head_node}}  # exported: run_node reads it on every node
-{port_line}mkdir -p {run_dir}/logs
-export DDPNB_RUN_DIR={run_dir} DDPNB_LAUNCHED=1 PYTHONUNBUFFERED=1
-{exports}
+{port_line}export run_dir={run_dir} PYTHONUNBUFFERED=1  # exported: run_node reads it
+mkdir -p "$run_dir/logs"
+{ddpnb_env}{exports}
 {network}# After a torchrun restart the agents meet in a new rendezvous round. Each round's workers
 # get a store of their own (hosted by rank 0) rather than the agents' shared one, whose
 # keys outlive the round: under c10d each agent counts only its own restarts, so a
@@ -150,7 +151,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # training network resolves to the other one) and whether it hosts the store (node 0).
 run_node() {{
     addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
-    net="$DDPNB_RUN_DIR/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$net"; fi
+    net="$run_dir/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$net"; fi
     exec {launcher} \\
         {torchrun}
 }}
@@ -172,9 +173,9 @@ NETWORK = """# The network, proven before training, from this node: one check pe
 # interface toward the first node (written to logs/net-env-N.sh for torchrun below), then a
 # gloo all-reduce runs over those interfaces. A node that cannot stops the job at once
 # (exit 96), named in this log.
-{python} "$DDPNB_RUN_DIR/ddpnb_meshcheck.py" --nnodes "$SLURM_NNODES" \\
+{python} "$run_dir/ddpnb_meshcheck.py" --nnodes "$SLURM_NNODES" \\
     --master-addr "$head_node" --master-port "{port}" --timeout 20 --backend gloo \\
-    --env-file "$DDPNB_RUN_DIR/logs/net-env-{{node_rank}}.sh" || exit 96
+    --env-file "$run_dir/logs/net-env-{{node_rank}}.sh" || exit 96
 
 """
 
@@ -379,15 +380,20 @@ class Slurm(Scheduler):
         c10d = {"rendezvous": "c10d", "rdzv_id": "$SLURM_JOB_ID", "endpoint": f"$head_node:{port}"}
         c10d["local_addr"] = "${addr:-$SLURMD_NODENAME}"
         launcher = [self.python, "-m", "torch.distributed.run"] if self.python else ["torchrun"]
-        log_dir = "$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"
+        log_dir = "$run_dir/logs/node-$SLURM_NODEID"
         args = t.command(launcher, "$SLURM_NODEID", script, str(run_dir), log_dir, **c10d)
-        own = re.compile(r"\$\W*(head_node|master_port|addr\b|SLURM_|DDPNB_RUN_DIR)")  # on nodes
+        own = re.compile(r"\$\W*(head_node|master_port|addr\b|SLURM_|run_dir)")  # on nodes
         output = None if marker else "%x-%j.out"  # submitted: on sbatch's command line
         sbatch = {"job-name": self.job_name, "nodes": t.nnodes, "ntasks-per-node": 1}
         sbatch |= {"time": self.time, "open-mode": "append", "output": output}
         sbatch |= {"partition": self.partition, "account": self.account}
         sbatch["gpus-per-node"] = self.gpus_per_node
-        v = dict(t=t, port=port, note=FINGERPRINT_NOTE, python=q(self.python or "python3"))
+        # ddpnb's worker and a submission read these; a script of the user's, printed, needs
+        # neither (nor the note on the worker's dataset check).
+        ours = marker or CONSTANTS_NAME in script.generated
+        note = FINGERPRINT_NOTE if CONSTANTS_NAME in script.generated else TRUST_NOTE
+        v = dict(t=t, port=port, note=note, python=q(self.python or "python3"))
+        v["ddpnb_env"] = f'export {RUN_DIR_ENV}="$run_dir" DDPNB_LAUNCHED=1\n' if ours else ""
         v |= dict(
             token=q(marker), marker_path=q(str(run_dir / MARKER_NAME)), run_dir=q(str(run_dir))
         )

@@ -71,13 +71,20 @@ def test_slurm_script_content(tmp_path):
         "--rdzv_backend=c10d",
         '"--rdzv_endpoint=$head_node:29500"',
         '"--rdzv_id=$SLURM_JOB_ID"',
-        '"--log_dir=$DDPNB_RUN_DIR/logs/node-$SLURM_NODEID"',
+        '"--log_dir=$run_dir/logs/node-$SLURM_NODEID"',
+        'export DDPNB_RUN_DIR="$run_dir" DDPNB_LAUNCHED=1',  # ddpnb's worker reads them
+        "At start-up the ranks compare dataset fingerprints",
         "--nproc_per_node=8",
         "/shared/run/train_ddp.py \\\n        --config \\\n        /shared/run/config.json",
     ):
         assert line in text
     r = subprocess.run(["bash", "-n", str(tmp_path / "train.sbatch")])
     assert r.returncode == 0
+    # A script of the user's, printed to submit by hand: nothing of ddpnb's worker in it.
+    (tmp_path / "mine.py").write_text("print('hi')\n")
+    mine = ddpnb.slurm_script(ddpnb.Script(tmp_path / "mine.py", args=["3"]), "/shared/own")
+    assert "DDPNB_" not in mine and "fingerprint" not in mine and "unauthenticated" in mine
+    assert "/shared/own/mine.py \\\n        3" in mine and "export run_dir=/shared/own" in mine
 
 
 def test_cli_commands_and_slurm(tmp_path):
