@@ -1,8 +1,11 @@
-"""Text for the notebooks: long shell command lines one option per line, diffs of scripts."""
+"""Text for the notebooks: long shell command lines one option per line, diffs of scripts, and
+the check of a "predict, then run" exercise."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import html
 import os
 import re
 import shlex
@@ -59,3 +62,41 @@ def diff(before: str | os.PathLike, after: str | os.PathLike, context: int = 3, 
         before, after = Path(before).read_text(), Path(after).read_text()
     texts = (str(before).splitlines(True), str(after).splitlines(True))
     return "".join(difflib.unified_diff(*texts, *names, n=context))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Prediction:
+    """A learner's prediction against what the run measured (a notebook shows it in colour)."""
+
+    what: str
+    predicted: object  # None: not made yet
+    measured: object
+
+    @property
+    def verdict(self) -> str:
+        if self.predicted is None:
+            return (
+                "no prediction yet: write it in the exercise's cell, run that cell, then this one"
+            )
+        if self.predicted == self.measured:
+            return "right"
+        return "not what the run measured: the hint below says where to look"
+
+    def __str__(self) -> str:
+        return (
+            f"{self.what}: predicted {self.predicted!r}, measured {self.measured!r}: {self.verdict}"
+        )
+
+    __repr__ = __str__  # what a notebook shows as text (papermill's outputs, a terminal)
+
+    def _repr_html_(self) -> str:
+        color = "#757575" if self.predicted is None else "#2e7d32"
+        color = "#c62828" if self.predicted not in (None, self.measured) else color
+        badge = f"padding:2px 8px;border-radius:3px;color:white;background:{color}"
+        return f"<p><span style='{badge}'>{html.escape(str(self))}</span></p>"
+
+
+def check_prediction(what: str, predicted: object, measured: object) -> Prediction:
+    """A "predict, then run" exercise's check: ``predicted`` (None: not made yet) against the
+    value the run ``measured``; right when they are equal."""
+    return Prediction(what, predicted, measured)

@@ -442,6 +442,64 @@ def test_every_exercise_has_its_check_hint_and_solution():
         assert "TODO" not in (SOLUTIONS / script).read_text()  # a solution reads as done
 
 
+PREDICTIONS = {  # the variable each "predict, then run" exercise asks for: its notebook
+    "predicted_first_epoch": "04_fault_tolerance.ipynb",
+    "predicted_share": "05_scaling.ipynb",
+    "predicted_counted": "06_pitfalls.ipynb",
+}
+
+
+def prediction_cells(nb) -> dict[str, tuple[int, int]]:
+    """The cells tagged ``prediction``: the variable each asks for, its index and its check's."""
+    found = {}
+    for i, cell in enumerate(nb.cells):
+        if "prediction" in cell.metadata.get("tags", []):
+            name = re.match(r"(\w+) = None  # TODO: your prediction", cell.source)[1]
+            checks = [
+                j for j, c in enumerate(nb.cells) if j > i and "check_prediction(" in c.source
+            ]
+            found[name] = (i, checks[0])
+    return found
+
+
+def _solution(cell, name: str) -> str:
+    """The expression the solution gives ``name`` (after the hint, in the cell below the check)."""
+    assert cell.cell_type == "markdown" and 0 < cell.source.index("Hint") < cell.source.index(
+        "Solution"
+    )
+    return re.search(rf"```python\n{name} = (.+)\n```", cell.source)[1]
+
+
+def test_every_prediction_has_its_check_hint_and_solution():
+    nbs = {name: nbformat.read(NOTEBOOKS / name, as_version=4) for name in ALL}
+    where = {var: name for name, nb in nbs.items() for var in prediction_cells(nb)}
+    assert where == PREDICTIONS
+    # The workshop's exercises: at least 7, in at least 5 notebooks.
+    assert len(EXERCISES) + len(PREDICTIONS) >= 7 and len({*WITH_EXERCISES, *where.values()}) >= 5
+    for var, name in where.items():
+        cells = nbs[name].cells
+        i, check = prediction_cells(nbs[name])[var]
+        assert cells[i - 1].source.startswith("### Exercise: predict, then run")
+        assert var in cells[check].source and _solution(cells[check + 1], var)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("var", sorted(PREDICTIONS))
+def test_a_prediction_not_made_is_flagged_and_the_solution_is_what_the_run_measured(executed, var):
+    name = PREDICTIONS[var]
+    nb = nbformat.read(_ok(executed, name) / name, as_version=4)
+    i, check = prediction_cells(nb)[var]
+    shown = "".join(o.get("data", {}).get("text/plain", "") for o in nb.cells[check].outputs)
+    measured = re.search(r"predicted None, measured (.+): no prediction yet", shown)
+    assert measured, shown
+    # The solution's expression with the parameters the notebook ran with (papermill's too).
+    given: dict = {}
+    for cell in nb.cells:
+        if {"parameters", "injected-parameters"} & set(cell.metadata.get("tags", [])):
+            exec(cell.source, given)
+    assert repr(eval(_solution(nb.cells[check + 1], var), given)) == measured[1]
+
+
 def _check_outputs(path: Path) -> dict[str, str]:
     """The output of each exercise's check cell in an executed notebook, by script."""
     nb = nbformat.read(path, as_version=4)
