@@ -15,6 +15,7 @@ TINY_EPOCHS = TINY["epochs"]
 
 
 def test_one_and_two_processes_give_the_same_curve(tiny_data, tmp_path):
+    """About 60 s under two workers: two trainings, compared epoch by epoch."""
     # SqueezeNet without dropout has no BatchNorm and no randomness of its own, and with
     # augment="none" the only difference left is how the global batch is split.
     common = dict(

@@ -91,6 +91,8 @@ def _start_remote_node(cfg, run_dir: Path, port: int, node_rank: int) -> subproc
 
 
 def test_a_lost_node_stops_the_survivor_and_the_run_resumes(tiny_data, tmp_path):
+    """About 50 s under two workers: the survivor waits out its collective timeout (10 s)
+    before the lost node is named, then a resume trains."""
     run = tmp_path / "r"
     cfg = tiny_config(tiny_data, epochs=40, timeout_seconds=10, threads=1)
     port = free_port()

@@ -217,6 +217,7 @@ def test_cli_train_two_nodes(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_resume_continues_from_the_checkpoint(tiny_data, tmp_path):
+    """About 70 s under two workers: two launches, the run and its resume."""
     run = tmp_path / "r"
     ddpnb.launch(tiny_config(tiny_data, epochs=1), run, nnodes=1, progress="none")
     first = (run / "metrics.jsonl").read_text().splitlines()
@@ -230,6 +231,8 @@ def test_resume_continues_from_the_checkpoint(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_a_run_from_before_a_config_field_existed_resumes(tiny_data, tmp_path):
+    """About 75 s under two workers: a launch, then a resume from its files rewritten as an
+    older ddpnb wrote them."""
     # An older ddpnb wrote config.json and the checkpoint without channels_last, and with
     # fields retired since (the pitfall switches, the in-memory pipeline).
     run = tmp_path / "r"

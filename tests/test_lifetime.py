@@ -60,6 +60,7 @@ def _resume_completes(data: Path, run: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("end", ["sigkill", "restart"])
 def test_an_ended_kernel_leaves_nothing_and_the_run_resumes(tiny_data, tmp_path, end):
+    """About 50 s under two workers: a kernel starts a run and is ended, then a resume trains."""
     from jupyter_client import KernelManager
 
     run = tmp_path / "r"

@@ -484,9 +484,12 @@ def test_every_prediction_has_its_check_hint_and_solution():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("var", sorted(PREDICTIONS))
-def test_a_prediction_not_made_is_flagged_and_the_solution_is_what_the_run_measured(executed, var):
-    name = PREDICTIONS[var]
+@pytest.mark.parametrize("name, var", sorted((nb, var) for var, nb in PREDICTIONS.items()))
+def test_a_prediction_not_made_is_flagged_and_the_solution_is_what_the_run_measured(
+    executed, name, var
+):
+    """The notebook's name in the test's id: 06's runs with notebook 06's group (one worker
+    executes each notebook once)."""
     nb = nbformat.read(_ok(executed, name) / name, as_version=4)
     i, check = prediction_cells(nb)[var]
     shown = "".join(o.get("data", {}).get("text/plain", "") for o in nb.cells[check].outputs)

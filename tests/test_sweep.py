@@ -143,6 +143,8 @@ def test_changed_settings_or_foreign_files_are_refused_before_anything_runs(
 
 @pytest.mark.slow
 def test_a_rerun_skips_done_points_retries_failed_ones_and_overwrite_redoes(swept):
+    """About 70 s: three more sweeps of notebook 02 (the rerun, the refused and the retried
+    point, the overwrite), each point a kernel of its own."""
     where, _ = swept
     out = where / "out"
     done = [out / "batch_size=8.ipynb", out / "batch_size=16/baseline/metrics.jsonl"]
