@@ -11,6 +11,8 @@ import base64
 import time
 from pathlib import Path
 
+from .sweep import ipc_kernel_manager
+
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
@@ -47,19 +49,6 @@ def notebook_parameters(out: Path, data_dir: Path, quick: bool) -> dict[str, dic
         # The appendix: the blog example's two Python typos, and their fixes.
         "10_appendix_blog_typos.ipynb": {},
     }
-
-
-def ipc_kernel_manager():
-    """A kernel manager whose kernel talks over local IPC sockets, not loopback TCP (over
-    TCP every kernel warns that its traffic is unencrypted; IPC sockets are user-only files)."""
-    from jupyter_client.manager import AsyncKernelManager
-
-    class IpcKernelManager(AsyncKernelManager):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.transport = "ipc"
-
-    return IpcKernelManager
 
 
 def run(out: Path, data_dir: Path, quick: bool = False, timeout: int = 900) -> None:

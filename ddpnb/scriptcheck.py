@@ -28,6 +28,7 @@ from .hang import Frame, RankState
 from .launch import launch
 from .metrics import read_jsonl
 from .script import Script, script_options
+from .text import badge
 
 WAIT_MARGIN_SECONDS = 30.0  # beyond the workers' own bound, before the check stops the run
 HANG_SECONDS = 10.0  # no rank moved, ranks in collectives: the check calls it a hang
@@ -232,11 +233,10 @@ class ScriptReport:
         checked = "".join(f"<li>{e(n)}</li>" for n in self.checked)
         error = f"<p>The script could not run:</p><pre>{e(self.error)}</pre>" if self.error else ""
         # The verdict set apart: green when clean, red with mistakes, grey when unchecked.
-        color = "#c62828" if self.findings or self.error else "#2e7d32"
-        color = "#757575" if self.unchecked is not None and not self.findings else color
-        badge = f"padding:2px 8px;border-radius:3px;color:white;background:{color}"
+        kind = "bad" if self.findings or self.error else "ok"
+        kind = "none" if self.unchecked is not None and not self.findings else kind
         return (
-            f"<div><p><b>ddpnb check-script</b>: <span style='{badge}'>{e(self.summary())}</span></p>"
+            f"<div><p><b>ddpnb check-script</b>: {badge(self.summary(), kind)}</p>"
             + (
                 f"<table style='width:100%;table-layout:fixed'><colgroup>{cols}</colgroup>{head}{rows}"
                 "</table>"

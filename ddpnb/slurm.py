@@ -390,10 +390,11 @@ class Slurm(Scheduler):
         sbatch["gpus-per-node"] = self.gpus_per_node
         # ddpnb's worker and a submission read these; a script of the user's, printed, needs
         # neither (nor the note on the worker's dataset check).
-        ours = marker or CONSTANTS_NAME in script.generated
-        note = FINGERPRINT_NOTE if CONSTANTS_NAME in script.generated else TRUST_NOTE
+        worker = CONSTANTS_NAME in script.generated  # ddpnb's tutorial worker
+        note = FINGERPRINT_NOTE if worker else TRUST_NOTE
         v = dict(t=t, port=port, note=note, python=q(self.python or "python3"))
-        v["ddpnb_env"] = f'export {RUN_DIR_ENV}="$run_dir" DDPNB_LAUNCHED=1\n' if ours else ""
+        ours = f'export {RUN_DIR_ENV}="$run_dir" DDPNB_LAUNCHED=1\n'
+        v["ddpnb_env"] = ours if marker or worker else ""
         v |= dict(
             token=q(marker), marker_path=q(str(run_dir / MARKER_NAME)), run_dir=q(str(run_dir))
         )

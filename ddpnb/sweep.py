@@ -261,6 +261,19 @@ def _first_line(error: BaseException) -> str:
     return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
 
 
+def ipc_kernel_manager():
+    """A kernel manager whose kernel talks over local IPC sockets, not loopback TCP (over
+    TCP every kernel warns that its traffic is unencrypted; IPC sockets are user-only files)."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class IpcKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.transport = "ipc"
+
+    return IpcKernelManager
+
+
 def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: str | None) -> str:
     """Run one point (its folder cleared first) in a thread, so that Ctrl-C reaches this one;
     its record says how it went."""
@@ -276,7 +289,6 @@ def _run_point(point: Point, source: Path, timeout: float | None, kernel_name: s
     # An Event, not Thread.join: before Python 3.13 a join interrupted by Ctrl-C can mark
     # the thread as ended while it still runs (the bpo-45274 branch of _wait_for_tstate_lock).
     finished = threading.Event()
-    from .demo import ipc_kernel_manager  # here: `python -m ddpnb.demo` must find it unloaded
 
     class Recording(ipc_kernel_manager()):
         def __init__(self, **kwargs):

@@ -90,10 +90,19 @@ class Prediction:
     __repr__ = __str__  # what a notebook shows as text (papermill's outputs, a terminal)
 
     def _repr_html_(self) -> str:
-        color = "#757575" if self.predicted is None else "#2e7d32"
-        color = "#c62828" if self.predicted not in (None, self.measured) else color
-        badge = f"padding:2px 8px;border-radius:3px;color:white;background:{color}"
-        return f"<p><span style='{badge}'>{html.escape(str(self))}</span></p>"
+        kind = (
+            "none" if self.predicted is None else "ok" if self.predicted == self.measured else "bad"
+        )
+        return f"<p>{badge(str(self), kind)}</p>"
+
+
+BADGE_COLORS = {"ok": "#2e7d32", "bad": "#c62828", "none": "#757575"}  # green, red, grey
+
+
+def badge(text: str, kind: str) -> str:
+    """``text`` (escaped) on a coloured label: ``kind`` "ok", "bad" or "none" (not checked)."""
+    style = f"padding:2px 8px;border-radius:3px;color:white;background:{BADGE_COLORS[kind]}"
+    return f"<span style='{style}'>{html.escape(text)}</span>"
 
 
 def check_prediction(what: str, predicted: object, measured: object) -> Prediction:
