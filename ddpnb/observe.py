@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+import zlib
 from pathlib import Path
 
 try:  # in a worker, ddpnb's hooks are top-level modules side by side (RUN_DIR/.ddpnb/)
@@ -144,6 +145,9 @@ class _Observer:
         self.finished = False
         self.ddp_modules: list = []
         self.sequence: list[list] = []  # [collective, "file:line", steps] in the order called
+        self.calls = self.ops = (
+            0  # collectives so far (init_process_group too), a crc of their names
+        )
         self.previous_excepthook = sys.excepthook
         self.torch = None
         self.steps_into_second = int(os.environ.get(STEPS_ENV, "2"))
@@ -268,9 +272,16 @@ class _Observer:
 
     def called(self, collective: str, where: dict | None) -> None:
         """One collective this rank called (or DDP called for it), in order."""
+        self.met(collective)
         if len(self.sequence) < MAX_SEQUENCE:
             at = f"{where['file']}:{where['line']}" if where else None
             self.sequence.append([collective, at, self.steps])
+
+    def met(self, call: str) -> None:
+        """A call every rank makes (a collective, init_process_group): a file one rank wrote
+        before it is there for a rank that reads after it (the file records carry the count)."""
+        self.calls += 1
+        self.ops = zlib.crc32(call.encode(), self.ops)
 
     def finish(self, reason: str) -> None:
         with self.lock:
@@ -359,7 +370,10 @@ def _hook_start(obs: _Observer, torch) -> None:
             # Ranks that disagree with torchrun's never meet: stop instead of hanging.
             obs.request_stop(None, "rank or world_size differs from torchrun's")
             obs.end("stopped at init_process_group: rank or world_size is not torchrun's")
-        return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            obs.met("init_process_group")
 
     torch.distributed.init_process_group = c10d.init_process_group
 
@@ -532,7 +546,7 @@ def _hook_sampler(obs: _Observer, torch) -> None:
 
 
 def _hook_steps(obs: _Observer, torch) -> None:
-    """Optimizers made, each step, and the checkpoints saved."""
+    """Optimizers made, each step, and the files torch.save writes and torch.load reads."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     @_patch(torch.optim.Optimizer, "__init__")
@@ -542,14 +556,24 @@ def _hook_steps(obs: _Observer, torch) -> None:
 
     register_optimizer_step_post_hook(lambda optimizer, args, kwargs: obs.after_step(optimizer))
 
-    @_patch(torch.serialization, "save")
-    def save(original, obj, f, *args, **kwargs):
+    def file_io(kind: str, f) -> None:
+        """A torch.save or torch.load: its file, its line, and how many collectives came before
+        (a rank's read is ordered after another's write only by a collective between them)."""
         path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
         path = os.path.abspath(path) if isinstance(path, str) else None
-        obs.write({"kind": "save", "path": path, "where": obs.where()})
+        obs.write({"kind": kind, "path": path, "where": obs.where(), "met": [obs.calls, obs.ops]})
+
+    @_patch(torch.serialization, "save")
+    def save(original, obj, f, *args, **kwargs):
+        file_io("save", f)
         return original(obj, f, *args, **kwargs)
 
-    torch.save = torch.serialization.save
+    @_patch(torch.serialization, "load")
+    def load(original, f, *args, **kwargs):
+        file_io("load", f)
+        return original(f, *args, **kwargs)
+
+    torch.save, torch.load = torch.serialization.save, torch.serialization.load
 
 
 def _hook_collectives(obs: _Observer, torch) -> None:

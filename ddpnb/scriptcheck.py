@@ -51,6 +51,7 @@ TITLES = {
     11: "Parameters get no gradient (DDP's unused parameters)",
     12: "DDP or a collective before init_process_group",
     13: "A parameter's gradient is ready twice in one step (reentrant checkpointing)",
+    14: "A rank reads a file before another rank is known to have written it",
 }
 WHY = {
     2: "DistributedSampler shuffles with seed + epoch: with the same epoch every epoch "
@@ -88,6 +89,11 @@ WHY = {
     "segments (a layer shared or called twice) fires its hook twice in one step, and DDP "
     "raises 'Expected to mark a variable ready only once' (pytorch/pytorch #121594; the "
     "non-reentrant checkpoint made for DDP: #65537).",
+    14: "Only a collective that both ranks call orders one rank's torch.load after another's "
+    "torch.save: with none between them the reader may open the file before it exists "
+    "(FileNotFoundError), half-written, or as the last epoch left it (a silent stale read). "
+    "Which one depends on timing: it often works on a laptop and fails on a cluster's shared "
+    "filesystem, where a write takes longer and becomes visible later.",
     10: "torchrun already starts one process per rank and sets RANK, LOCAL_RANK, WORLD_SIZE, "
     "MASTER_ADDR and MASTER_PORT. A script written for mp.spawn (pytorch/examples' "
     "multigpu.py) starts nnodes x nproc_per_node jobs of its own, each with its own "
@@ -128,6 +134,8 @@ FIX = {
     "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
     "False})); or, when the model's graph is the same every step (no parameter used in some "
     "steps only), DDP(model, static_graph=True), which keeps reentrant checkpointing.",
+    14: "if rank == 0: torch.save(...); then dist.barrier() on every rank, outside the `if`, "
+    "before any rank calls torch.load on that file.",
     10: "Drop mp.spawn: call main() once; rank = int(os.environ['RANK']), local_rank = "
     "int(os.environ['LOCAL_RANK']), world_size = int(os.environ['WORLD_SIZE']); "
     "dist.init_process_group(backend) without setting MASTER_ADDR or MASTER_PORT.",
@@ -414,7 +422,7 @@ def analyse(
     out: list = []
     if len(ranks) < world:
         out.append(f"Records of {len(ranks)} of {world} ranks: the others never started.")
-    checks = (_sharding, _set_epoch, _replicas, _steps, _evaluation, _saves, _devices)
+    checks = (_sharding, _set_epoch, _replicas, _steps, _evaluation, _saves, _reads, _devices)
     for check in (*checks, _rendezvous, _spawn, _collectives) if ranks else ():
         out += check(ranks, world, run_dir)
     out += _stall(ranks, hung)
@@ -425,6 +433,9 @@ def analyse(
         # 11 explains the drifted replicas (3); the abort's 9 has each rank's line
         drop = {3, 9} if aborted[0].number == 11 else {9}
         out = [f for f in out if not (isinstance(f, Finding) and f.number in drop)] + aborted
+    if failed is not None and not aborted and _stopped_by_read(out, failed, run_dir):
+        error = None  # the read that found no file, or not this epoch's: a finding, not an error
+        out += [f"The run stopped: {str(failed).splitlines()[0]}"]
     found = [f for f in out if isinstance(f, Finding)]
     findings = [dataclasses.replace(f, source=_line_text(run_dir, f.where)) for f in found]
     findings.sort(key=lambda f: f.number)
@@ -436,6 +447,12 @@ def analyse(
     unchecked = None if findings or error else _unchecked(ranks)
     facts = _facts(ranks, world, layout)
     return ScriptReport("", layout, findings, facts, checked, ended, error, unchecked=unchecked)
+
+
+def _stopped_by_read(out: list, failed: RunFailed, run_dir: Path) -> bool:
+    """Whether the run failed at the line of a read that did not wait for its write (14)."""
+    at = _raised_at(failed, run_dir)[0]
+    return any(isinstance(f, Finding) and f.number == 14 and f.where == at for f in out)
 
 
 def _aborted(
@@ -816,6 +833,30 @@ def _saves(ranks: list[_Rank], world: int, run_dir: Path) -> list:
         + (f", and {len(shared) - 1} other file(s) likewise." if len(shared) > 1 else ".")
     )
     return [Finding(6, where[path], seen)]
+
+
+def _reads(ranks: list[_Rank], world: int, run_dir: Path) -> list:
+    """14: a torch.load of a file another rank writes with torch.save, with no collective between
+    them: both at the same point of the same sequence of collectives (the records' ``met``)."""
+    saves = [(r.rank, s) for r in ranks for s in r["save"] if s["path"] and s.get("met")]
+    loads = [(r.rank, x) for r in ranks for x in r["load"] if x["path"] and x.get("met")]
+    shared = [(w, ld) for w in saves for ld in loads if w[1]["path"] == ld[1]["path"]]
+    shared = [(w, ld) for w, ld in shared if w[0] != ld[0]]
+    if not shared:
+        return ["Reads of files another rank writes: none before the check ended the script."]
+    race = next(((w, ld) for w, ld in shared if w[1]["met"] == ld[1]["met"]), None)
+    if race is None:
+        reads = len({(rank, x["t"]) for _, (rank, x) in shared})
+        return [f"Reads of files another rank writes: {reads}, each after a collective that "
+                "follows the write."]  # fmt: skip
+    (writer, save), (reader, load) = race
+    calls = save["met"][0]
+    seen = (
+        f"Rank {reader} read {Path(load['path']).name} (torch.load at {_at(load['where'])}) "
+        f"and rank {writer} wrote it (torch.save at {_at(save['where'])}), both after the same "
+        f"{calls} collective(s) and before the next: nothing made the read wait for the write."
+    )
+    return [Finding(14, _at(load["where"]), seen)]
 
 
 def _devices(ranks: list[_Rank], world: int, run_dir: Path) -> list:

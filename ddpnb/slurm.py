@@ -152,6 +152,10 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 run_node() {{
     addr=$(scontrol show node "$SLURMD_NODENAME" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
     net="$run_dir/logs/net-env-$SLURM_NODEID.sh"; if [ -f "$net" ]; then . "$net"; fi
+    # Each worker's threads: the CPUs this node gives the job (nproc: Slurm's cpuset) shared by
+    # its {t.nproc_per_node} worker(s), unless the job brought OMP_NUM_THREADS.
+    cpus=$(nproc)
+    export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( cpus > {t.nproc_per_node} ? cpus / {t.nproc_per_node} : 1 ))}}
     exec {launcher} \\
         {torchrun}
 }}

@@ -78,6 +78,11 @@ EDITS = {
          "        if rank == 0:\n"
          "            dist.barrier()  # MISTAKE: on rank 0 only\n"),
     ]),
+    "unordered_read": ("good.py", "every rank reads rank 0's checkpoint with no barrier after the save", [
+        ("    dist.destroy_process_group()\n",
+         '        model.module.load_state_dict(torch.load("model.pt"))  # MISTAKE: not waited for\n'
+         "    dist.destroy_process_group()\n"),
+    ]),
     "ddp_eval_rank0": ("bn_rank0_eval.py", "rank 0 evaluates through the DDP wrapper", [
         ("model.module(x)", "model(x)"),
         ("            model.eval()\n", "            model.eval()  # MISTAKE: evaluated through DDP below\n"),

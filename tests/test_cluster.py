@@ -75,6 +75,8 @@ def test_slurm_script_content(tmp_path):
         'export DDPNB_RUN_DIR="$run_dir" DDPNB_LAUNCHED=1',  # ddpnb's worker reads them
         "At start-up the ranks compare dataset fingerprints",
         "--nproc_per_node=8",
+        # each node's 8 workers share the CPUs Slurm gives the job there, unless it brought a count
+        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus > 8 ? cpus / 8 : 1 ))}",
         "/shared/run/train_ddp.py \\\n        --config \\\n        /shared/run/config.json",
     ):
         assert line in text

@@ -407,7 +407,7 @@ SOLUTIONS = NOTEBOOKS / "solutions"
 EXERCISES = {  # script: (its notebook, the mistakes (check_script's numbers) it is about)
     "join_anywhere.py": ("03_multi_node_ddp.ipynb", {7}),
     "exact_eval.py": ("06_pitfalls.ipynb", {5}),
-    "checkpoint_barrier.py": ("06_pitfalls.ipynb", {9}),
+    "checkpoint_read.py": ("06_pitfalls.ipynb", {14}),
     "digits_ddp.py": ("09_your_own_script.ipynb", {2, 3, 6}),
 }
 WITH_EXERCISES = sorted({nb for nb, _ in EXERCISES.values()})

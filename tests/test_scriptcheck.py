@@ -54,6 +54,8 @@ MISTAKES = {
     "loopback_master_addr": (7, 'os.environ["MASTER_ADDR"]', "'localhost'"),
     # a hang: the hang watch names each rank's line; the collectives' order, before any hang
     "rank0_barrier": (9, "dist.barrier()  # MISTAKE", "rank 0 waits in barrier at"),
+    # a race: found from where each rank was in its collectives, not from how the race went
+    "unordered_read": (14, "torch.load(", "nothing made the read wait for the write"),
     "ddp_eval_rank0": (9, "total += float(F.mse_loss(model(x)", "DDP's buffer broadcast (forward)"),
 }
 
@@ -318,3 +320,25 @@ def test_the_report_in_a_notebook_sets_the_verdict_apart_and_gives_prose_its_wid
     assert "background:#c62828'>a.py on 2 nodes x 1: 1 mistake(s) found" in page
     assert "table-layout:fixed" in page and page.count("<col style='width:") == 6
     assert "white-space:pre-wrap" in page and "mistake 6</small>" in page
+
+
+def test_a_read_is_ordered_after_a_write_only_by_a_collective_between_them():
+    """Mistake 14 from the records alone: the same point in the same collectives is a race;
+    a read after one more collective, or a rank reading its own file, is not."""
+    from ddpnb.scriptcheck import _Rank, _reads
+
+    def rank(n: int, *io: tuple[str, list[int]]) -> _Rank:
+        start = {"kind": "start", "rank": n, "env": {"LOCAL_RANK": "0"}}
+        where = {"file": "train.py", "line": 10 + n, "func": "main"}
+        files = [{"kind": k, "path": "/r/ckpt.pt", "where": where, "met": m, "t": i}
+                 for i, (k, m) in enumerate(io)]  # fmt: skip
+        return _Rank([start, *files])
+
+    race = _reads([rank(0, ("save", [18, 7])), rank(1, ("load", [18, 7]))], 2, Path("."))
+    assert [(f.number, f.where) for f in race] == [(14, "train.py:11")], race
+    assert "after the same 18 collective(s)" in race[0].seen
+    waited = _reads([rank(0, ("save", [18, 7])), rank(1, ("load", [19, 9]))], 2, Path("."))
+    assert waited == ["Reads of files another rank writes: 1, each after a collective that "
+                      "follows the write."]  # fmt: skip
+    own = _reads([rank(0, ("save", [18, 7]), ("load", [18, 7])), rank(1)], 2, Path("."))
+    assert own == ["Reads of files another rank writes: none before the check ended the script."]

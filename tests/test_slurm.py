@@ -452,6 +452,9 @@ def test_your_own_script_runs_as_a_batch_job(slurm, tmp_path):
     assert [r["epoch"] for r in job.metrics.epochs] == [1, 2]  # reported by the script
     assert (run / "model.pt").is_file()  # what rank 0 wrote in its working directory
     assert "args ['2', \"a b 'c'\"]" in (run / "logs" / "node-0.log").read_text()
+    # Each node's threads: its own CPUs shared by its one worker (the job brought none).
+    cpus = os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))
+    assert f"rank 1 threads {cpus}" in (run / "logs" / "node-1.log").read_text()
     assert "join_timeout=120," in (run / "train.sbatch").read_text()  # --rdzv-timeout reached it
     # The job's first step proved the network and chose each node's interface.
     assert "reaches node 0 and all 1 peer(s)" in job.batch_log().read_text()

@@ -1,4 +1,5 @@
-"""Solution: every rank calls the barrier, outside the `if`; only the saving is rank 0's."""
+"""Solution: a barrier on every rank between rank 0's save and the reads: no rank reads
+before the file is written (only the saving is rank 0's)."""
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,11 @@ def main(epochs=3):
             optimizer.step()
         if rank == 0:
             torch.save(model.module.state_dict(), "checkpoint.pt")  # one writer
-            print(f"epoch {epoch} loss {loss.item():.3f}, checkpoint saved")
-        dist.barrier()  # every rank waits, so nobody goes on before the file is written
+        dist.barrier()  # every rank waits here until rank 0 has written the file
+        saved = torch.load("checkpoint.pt")  # every rank reads what rank 0 wrote
+        same = all(torch.equal(saved[k], v) for k, v in model.module.state_dict().items())
+        assert same, f"rank {rank} read a checkpoint of another epoch"
+        print(f"rank {rank}, epoch {epoch}: the checkpoint holds this epoch's weights")
     dist.destroy_process_group()
 
 
