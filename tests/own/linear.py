@@ -20,8 +20,8 @@ except ImportError:  # run by plain torchrun
 epochs, tag = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-print(f"rank {rank} of {dist.get_world_size()} args {sys.argv[1:]!r}", flush=True)
-print(f"rank {rank} threads {torch.get_num_threads()}", flush=True)  # the launcher's budget
+threads = torch.get_num_threads()  # what the launcher gave this rank
+print(f"rank {rank} of {dist.get_world_size()} args {sys.argv[1:]!r} threads {threads}", flush=True)
 data = make_data()
 sampler = DistributedSampler(data)
 loader = DataLoader(data, batch_size=16, sampler=sampler)
