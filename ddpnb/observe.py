@@ -145,9 +145,8 @@ class _Observer:
         self.finished = False
         self.ddp_modules: list = []
         self.sequence: list[list] = []  # [collective, "file:line", steps] in the order called
-        self.calls = self.ops = (
-            0  # collectives so far (init_process_group too), a crc of their names
-        )
+        # Collectives so far (init_process_group too) and a crc of their names: see met().
+        self.calls = self.ops = 0
         self.previous_excepthook = sys.excepthook
         self.torch = None
         self.steps_into_second = int(os.environ.get(STEPS_ENV, "2"))

@@ -840,8 +840,9 @@ def _reads(ranks: list[_Rank], world: int, run_dir: Path) -> list:
     them: both at the same point of the same sequence of collectives (the records' ``met``)."""
     saves = [(r.rank, s) for r in ranks for s in r["save"] if s["path"] and s.get("met")]
     loads = [(r.rank, x) for r in ranks for x in r["load"] if x["path"] and x.get("met")]
-    shared = [(w, ld) for w in saves for ld in loads if w[1]["path"] == ld[1]["path"]]
-    shared = [(w, ld) for w, ld in shared if w[0] != ld[0]]
+    shared = [
+        (w, ld) for w in saves for ld in loads if w[1]["path"] == ld[1]["path"] and w[0] != ld[0]
+    ]
     if not shared:
         return ["Reads of files another rank writes: none before the check ended the script."]
     race = next(((w, ld) for w, ld in shared if w[1]["met"] == ld[1]["met"]), None)
