@@ -105,7 +105,7 @@ def with_ddpnb(hosts, cfg, run_dir: Path) -> float:
         wait=False,
     )
     try:
-        return first_step(run_dir, start, job.procs.values())
+        return first_step(run_dir, start, job.scheduler.procs.values())
     finally:
         job.stop()
 

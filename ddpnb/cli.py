@@ -394,9 +394,10 @@ def _slurm_job(what, run_dir: str, nnodes: int, detach: bool, keywords: dict) ->
     with _StopSignals():  # Ctrl-C, SIGTERM and SIGHUP cancel the job
         job = submit_slurm(what, run_dir, nnodes, wait=not detach, progress="text", **keywords)
     if detach:
+        job_id = job.scheduler.job_id
         print(
-            f"submitted Slurm job {job.job_id}; follow it with: ddpnb attach {job.run_dir} "
-            f"(or squeue -j {job.job_id}); cancel it with: scancel {job.job_id}"
+            f"submitted Slurm job {job_id}; follow it with: ddpnb attach {job.run_dir} "
+            f"(or squeue -j {job_id}); cancel it with: scancel {job_id}"
         )
     else:
         print(f"run directory: {job.run_dir}")

@@ -16,8 +16,9 @@ from .diagnosis import check_stalled, diagnose_failure, died_after_end, log_tail
 from .errors import RunFailed, RunHung, RunInterrupted
 from .hang import Stacks, Verdict, read_ranks, stacks, verdict
 from .metrics import load_metrics, read_progress
-from .plan import HANG_TIMEOUT, Plan
+from .plan import HANG_TIMEOUT
 from .progress import make_progress
+from .scheduler import Scheduler
 from .topology import Topology
 
 POLL_SECONDS = 0.2
@@ -25,49 +26,6 @@ WATCH_SECONDS = 1.0  # how often the hang watch reads the ranks' snapshots
 EXIT_GRACE_SECONDS = 10.0  # for the other ranks' records at exit, once one died after its own
 WORKER_LINE = re.compile(rb"^\[rank\d+\]", re.M)  # torchrun's prefix on a worker's output
 TRACEBACK = "Traceback (most recent call last):"
-
-
-class Scheduler:
-    """Where a run's nodes run; ``pipeline.run`` calls check, preflight, start; the Job the rest."""
-
-    topology: Topology
-    nnodes = property(lambda self: self.topology.nnodes)
-    nproc_per_node = property(lambda self: self.topology.nproc_per_node)
-    data_here = True
-    hosts: list[str] | None = None  # per node, as the user named them (None: this machine)
-    watch_stalls = True  # not while a cluster queues it
-    outlives_launcher = False
-    procs: dict = {}  # node: its subprocess.Popen here
-    job_id: str | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    state: str | None = None
-
-    # What every scheduler does (``topology``: final once preflight has run):
-    def start(self, plan: Plan, run_dir: Path) -> None:  # place, start
-        raise NotImplementedError
-
-    def poll(self) -> dict[int, int | None]:  # each node's exit code, None while it runs
-        raise NotImplementedError
-
-    def stop(self) -> None:  # end every process of the run; return once they are gone
-        raise NotImplementedError
-
-    # What some do (a cluster's limits, queue and log; nodes whose files are elsewhere):
-    def check(self, plan: Plan) -> None: ...  # what can be checked before the run directory exists
-    def preflight(self, plan: Plan, run_dir: Path) -> None: ...  # check nodes, where they meet
-    def pending(self) -> str | None: ...  # why the nodes have not started (a queue), or None
-    def since(self) -> float | None: ...  # when this attempt's nodes started (None: at the Job's)
-    def batch_log(self) -> Path | None: ...  # the cluster's own log of the run (sbatch's output)
-    def sync(self) -> None: ...  # bring node 0's progress files here while the run goes on
-    def sync_stacks(self, force: bool) -> None: ...  # ranks' stack snapshots; force: now or raise
-    def fetch(self) -> None: ...  # bring every node's results and logs here once the run ended
-
-    def explain(self, error: RunFailed, failed: dict[int, int]) -> RunFailed:  # add host, state
-        return error
-
-    def pids(self) -> list[int]:  # the run's processes on this machine that are still alive
-        return []
 
 
 _live_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
@@ -119,12 +77,7 @@ class Job:
     master_port = property(lambda self: self.topology.master_port or self.scheduler.master_port)
     rdzv_timeout = property(lambda self: self.topology.rdzv_timeout)
     max_restarts = property(lambda self: self.topology.max_restarts)
-    hosts = property(lambda self: self.scheduler.hosts)
-    procs = property(lambda self: self.scheduler.procs)
-    job_id = property(lambda self: self.scheduler.job_id)
-    state = property(lambda self: self.scheduler.state)
-
-    batch_log = property(lambda self: self.scheduler.batch_log)  # job.batch_log(): sbatch's output
+    host = property(lambda self: self.scheduler.host)  # job.host(node): where it runs, as named
     pids = property(lambda self: self.scheduler.pids)  # job.pids(): its live processes here
     returncodes = property(lambda self: self.scheduler.poll())  # per node; None: running
     running = property(lambda self: any(rc is None for rc in self.returncodes.values()))
@@ -292,7 +245,7 @@ class Job:
             f"The run hangs. {found.message} The run was stopped (on_hang='stop'; on_hang='wait' "
             f"keeps it waiting).{resume_hint(self.run_dir)}",
             stacks=Stacks(self.run_dir, ranks, found),
-            host=None if self.hosts is None else self.hosts[live[0].node],
+            host=self.scheduler.host(live[0].node),
             node_rank=live[0].node,
             global_rank=live[0].rank,
         )

@@ -9,10 +9,11 @@ from typing import Any
 
 from .config import TrainConfig
 from .errors import ConfigError
-from .job import Job, Scheduler
+from .job import Job
 from .local import Local
 from .pipeline import run
 from .plan import HANG_TIMEOUT
+from .scheduler import Scheduler
 from .script import Script
 from .topology import Topology
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from .agent import LIFELINE_ENV, loopback_bind_address
 from .constants import free_port
-from .pipeline import AGENT, Processes
 from .plan import Plan
 from .preflight import check_port_free
+from .scheduler import AGENT, Processes
 from .topology import Topology
 
 

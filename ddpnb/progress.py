@@ -30,7 +30,8 @@ class Followed(Protocol):
     master_addr: str
     master_port: int
     waiting: Any  # the hang watch's verdict (ddpnb.hang.Verdict) while not "ok", else None
-    hosts: list[str] | None  # per node, as the user named them (SSH); None: this machine
+
+    def host(self, node: int) -> str | None: ...  # where it runs as named (SSH); None: here
 
     @property
     def metrics(self) -> RunMetrics: ...
@@ -149,8 +150,12 @@ def _start_line(job: Followed) -> str:
         f"ddpnb: {job.nnodes} node(s) x {job.nproc_per_node} process(es) = world size "
         f"{job.world_size}; node 0 is the master and hosts the rendezvous at "
         f"{job.master_addr}:{job.master_port}; run dir {job.run_dir}"
-        + (f"; hosts {', '.join(hosts)}" if (hosts := job.hosts) else "")
+        + (f"; hosts {', '.join(map(str, hosts))}" if any(hosts := _hosts(job)) else "")
     )
+
+
+def _hosts(job: Followed) -> list[str | None]:
+    return [job.host(n) for n in range(job.nnodes)]
 
 
 def _finish_line(job: Followed) -> str:
@@ -231,7 +236,7 @@ class WidgetProgress:
             color = STATUS_COLORS.get(state.split(" ")[0], "#888")  # grey: stopped, external
             per, first = self.job.nproc_per_node, n * self.job.nproc_per_node
             ranks = f"rank {first}" if per == 1 else f"ranks {first}-{first + per - 1}"
-            role = f" on {escape(self.job.hosts[n])}" if self.job.hosts else ""  # SSH's hosts
+            role = f" on {escape(host)}" if (host := self.job.host(n)) else ""  # SSH's hosts
             role += " (master, hosts the rendezvous)" if n == 0 else ""
             last = escape(self.job.last_line(n)[:200])  # the node's latest line; CSS cuts its end
             if steps is not None:

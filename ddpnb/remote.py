@@ -23,9 +23,9 @@ from .errors import ConfigError, HostError, NodeLost, RunFailed
 from .hang import WATCH_DIR
 from .log import logger
 from .network import check_network
-from .pipeline import AGENT, Processes
 from .preflight import as_config, check_run
 from .rundir import PRODUCTS
+from .scheduler import AGENT, Processes
 from .script import Script
 from .ssh import SSH_FAILED, Host, Ssh, pack, parse_hosts, remote_line, unpack
 from .tables import Table
@@ -73,6 +73,9 @@ class Hosts(Processes):
         self.remote_run_dir = remote_run_dir
         self.hosts = [h.spec for h in hosts]
         self._synced = self._stacks_synced = 0.0
+
+    def host(self, node: int) -> str:
+        return self.hosts[node]
 
     def preflight(self, plan, run_dir: Path) -> None:
         """Probe every host (and what its copy of the run directory holds), prove the network:

@@ -32,7 +32,7 @@ from .errors import (
     SlurmJobEnded,
     SlurmRequestError,
 )
-from .job import Job, Scheduler
+from .job import Job
 from .log import logger
 from .metrics import read_json, read_progress
 from .pipeline import run
@@ -40,6 +40,7 @@ from .plan import HANG_TIMEOUT
 from .preflight import as_config, check_progress
 from .reporting import RUN_DIR_ENV
 from .rundir import WORKER_NAME
+from .scheduler import Scheduler
 from .script import CONSTANTS_NAME, MESHCHECK_NAME, Script
 from .topology import Topology
 

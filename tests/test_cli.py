@@ -20,7 +20,7 @@ from ddpnb import cli
 from ddpnb.agent import descendants
 from ddpnb.config import TrainConfig
 from ddpnb.errors import ConfigError
-from ddpnb.pipeline import alive
+from ddpnb.scheduler import alive
 
 
 def _train_action(name: str):

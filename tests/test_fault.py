@@ -15,7 +15,7 @@ from conftest import tiny_config, tmpfs
 
 import ddpnb
 from ddpnb.constants import free_port
-from ddpnb.pipeline import alive
+from ddpnb.scheduler import alive
 
 pytestmark = pytest.mark.slow
 # threads fixed: both runs compute in the same order; digits augmentation draws per rank
@@ -133,7 +133,7 @@ def test_a_killed_local_agent_is_named(tiny_data, tmp_path):
     job = ddpnb.launch(cfg, tmp_path / "r", nnodes=2, wait=False, progress="none")
     _wait_for_epoch(tmp_path / "r", 1)
     pids = job.pids()
-    os.killpg(job.procs[1].pid, signal.SIGKILL)
+    os.killpg(job.scheduler.procs[1].pid, signal.SIGKILL)
     killed_at = time.time()
     with pytest.raises(ddpnb.errors.NodeLost, match=r"Node 1 was lost: .*killed \(SIGKILL\)") as e:
         job.wait(timeout=120)
@@ -257,4 +257,4 @@ def test_simulated_nodes_listen_on_loopback_only(tiny_data, tmp_path, master_add
     assert f"127.0.0.1:{job.master_port}" in addresses  # the rendezvous store
     assert len(addresses) >= 3  # and each worker's gloo listener
     assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
-    assert not alive(job.procs[0].pid)
+    assert not alive(job.scheduler.procs[0].pid)

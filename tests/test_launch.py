@@ -15,8 +15,8 @@ from conftest import tiny_config
 
 import ddpnb
 from ddpnb.errors import ConfigError, DatasetError, PortInUseError, RendezvousTimeout, RunDirError
-from ddpnb.pipeline import alive
 from ddpnb.preflight import check_port_free
+from ddpnb.scheduler import alive
 
 
 def _no_process_left(pids):

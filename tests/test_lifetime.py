@@ -21,7 +21,7 @@ import pytest
 from conftest import TINY
 
 import ddpnb
-from ddpnb.pipeline import alive
+from ddpnb.scheduler import alive
 
 LIFETIME_LIMIT = 10.0
 

@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +89,8 @@ def test_no_import_cycles_in_the_package():
 
 
 def test_the_pipeline_sits_below_its_schedulers():
-    """pipeline.py, job.py and what they import reach no scheduler: a new one is one module."""
+    """pipeline.py, job.py and what they import reach no scheduler, only the seam they all
+    share (scheduler.py): a new scheduler is one module."""
     import ast
 
     graph = {}
@@ -104,6 +106,27 @@ def test_the_pipeline_sits_below_its_schedulers():
         for dep in graph[todo.pop()] - reached:
             reached.add(dep)
             todo.append(dep)
-    assert "job" in reached and not reached & {"local", "remote", "slurm", "launch"}, reached
+    assert {"job", "scheduler"} <= reached, reached
+    assert not reached & {"local", "remote", "slurm", "launch"}, reached
     for scheduler in ("local", "remote", "slurm"):
-        assert "pipeline" in graph[scheduler]
+        assert "scheduler" in graph[scheduler]
+
+
+def test_the_scheduler_seam_is_abstract_and_its_state_is_each_instances():
+    """The seam is the three methods every scheduler must write; no class holds a list, dict
+    or set that its instances would share (``procs`` once was one dict for every run)."""
+    from ddpnb.local import Local
+    from ddpnb.remote import Hosts
+    from ddpnb.scheduler import Processes, Scheduler
+    from ddpnb.slurm import Slurm
+    from ddpnb.topology import Topology
+
+    assert Scheduler.__abstractmethods__ == {"start", "poll", "stop"}
+    with pytest.raises(TypeError, match="abstract"):
+        Processes()
+    for cls in (Scheduler, Processes, Local, Hosts, Slurm):
+        state = {k: v for k, v in vars(cls).items() if not k.startswith("__")}
+        shared = [k for k, v in state.items() if isinstance(v, (dict, list, set))]
+        assert not shared, (cls.__name__, shared)
+    first, second = (Local(Topology(2, 1, None, None, 60, 0)) for _ in range(2))
+    assert first.procs == {} and first.procs is not second.procs

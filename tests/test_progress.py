@@ -9,13 +9,20 @@ import ddpnb
 from ddpnb.errors import RunHung
 from ddpnb.hang import Verdict
 from ddpnb.job import Job
-from ddpnb.pipeline import Processes
 from ddpnb.progress import WAITING_COLORS, TextProgress, WidgetProgress, is_jupyter_server
+from ddpnb.scheduler import Processes
 from ddpnb.topology import Topology
 
 
+class Ended(Processes):
+    """Nodes that ran here and ended (``procs`` set by the test)."""
+
+    def start(self, plan, run_dir):
+        raise AssertionError("an ended run is not started")
+
+
 def _job(run_dir, nnodes=4, config=True):
-    nodes = Processes()
+    nodes = Ended()
     nodes.procs = {n: subprocess.Popen(["true"]) for n in range(nnodes)}
     for p in nodes.procs.values():
         p.wait()

@@ -133,12 +133,12 @@ def test_a_node_that_cannot_see_the_run_dir_stops_the_job_at_once(slurm, tiny_da
     run = tmp_path / "r"
     job = submit_slurm(tiny_config(tiny_data), run, nnodes=2, sbatch_args=["--hold"], wait=False)
     (run / MARKER_NAME).write_text("another submission\n")  # what a node off the shared FS sees
-    _scontrol("release", job.job_id)
+    _scontrol("release", job.scheduler.job_id)
     t = time.time()
     with pytest.raises(RunDirNotShared, match="shared by this host and every node"):
         job.wait()
     assert time.time() - t < 20  # before any torch import
-    assert "cannot see" in job.batch_log().read_text()
+    assert "cannot see" in job.scheduler.batch_log().read_text()
 
 
 # -- a run: pending, running, requeued and resumed, done ------------------------------------
@@ -150,19 +150,19 @@ def test_submit_pending_running_requeued_done(slurm, tiny_data, tmp_path, layout
     run = tmp_path / "r"
     cfg = tiny_config(tiny_data, epochs=3, **ONE_THREAD)
     job = submit_slurm(cfg, run, nnodes=2, sbatch_args=["--hold"], wait=False, progress="none")
-    assert json.loads((run / "slurm_job.json").read_text())["job_id"] == job.job_id
+    assert json.loads((run / "slurm_job.json").read_text())["job_id"] == job.scheduler.job_id
     assert job.node_status() == {0: "pending (JobHeldUser)", 1: "pending (JobHeldUser)"}
     panel = WidgetProgress(job)  # the JupyterLab panel reads the same protocol
     assert all(">pending (JobHeldUser)<" in row.value for row in panel.node_rows)
 
     seen = []
-    _scontrol("release", job.job_id)
+    _scontrol("release", job.scheduler.job_id)
     checkpoint = run / "checkpoints" / "last.pt"  # written just after epoch 1's metrics
     _wait_until(lambda: seen.append(job.node_status()[0]) or checkpoint.exists(), 120, "epoch 1")
-    _scontrol("requeue", job.job_id)  # as after a node failure or a preemption
-    _wait_until(lambda: job.state == "PENDING", 30, "requeued")
+    _scontrol("requeue", job.scheduler.job_id)  # as after a node failure or a preemption
+    _wait_until(lambda: job.scheduler.state == "PENDING", 30, "requeued")
     seen.append(job.node_status()[0])
-    _scontrol("update", f"JobId={job.job_id}", "StartTime=now")  # skip the requeue delay
+    _scontrol("update", f"JobId={job.scheduler.job_id}", "StartTime=now")  # skip the requeue delay
     job.wait()
     panel.close(job)
     # Released, a job may pend a moment longer (Slurm's reason then changes, or is None).
@@ -187,7 +187,7 @@ def test_submit_pending_running_requeued_done(slurm, tiny_data, tmp_path, layout
         assert r["val_samples"] == 37  # every validation image counted once
     assert sorted(job.metrics.ranks) == [0, 1]
     assert {rec[-1]["node_rank"] for rec in job.metrics.ranks.values()} == {0, 1}
-    assert _squeue(job.job_id) == ""
+    assert _squeue(job.scheduler.job_id) == ""
 
 
 def test_a_torchrun_restart_under_c10d_meets_again(slurm, tiny_data, tmp_path):
@@ -246,7 +246,7 @@ def test_interrupt_cancels_the_job_and_nothing_is_left(slurm, tiny_data, tmp_pat
     cfg = tiny_config(tiny_data, epochs=50, **ONE_THREAD)
     job = submit_slurm(cfg, tmp_path / "r", nnodes=2, wait=False, progress="none")
     _wait_until(lambda: job.metrics.epochs, 120, "epoch 1")
-    pids = _job_pids(job.job_id)
+    pids = _job_pids(job.scheduler.job_id)
     assert len(pids) >= 4  # per node: slurmstepd's tasks, torchrun, a worker
     # Ctrl-C in the cell. Python's own handler, also where SIGINT came in ignored (a
     # background shell starts its commands so).
@@ -257,7 +257,7 @@ def test_interrupt_cancels_the_job_and_nothing_is_left(slurm, tiny_data, tmp_pat
             job.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert job.state == "CANCELLED" and _squeue(job.job_id) == ""
+    assert job.scheduler.state == "CANCELLED" and _squeue(job.scheduler.job_id) == ""
     # proctrack/linuxproc follows process trees, so a worker whose torchrun exited first
     # may still be finishing its SIGTERM when Slurm reports the end (cgroups would not
     # allow that); a few seconds later nothing may be left.
@@ -270,13 +270,15 @@ def test_the_time_limit_is_slurms_typed_error(slurm, tiny_data, tmp_path):
     cfg = tiny_config(tiny_data, epochs=1000, **ONE_THREAD)
     job = submit_slurm(cfg, tmp_path / "r", nnodes=1, time="1", wait=False, progress="none")
     _wait_until(lambda: job.metrics.epochs, 120, "epoch 1")  # training, as at a real limit
-    shown = slurm.run(["scontrol", "show", "job", job.job_id]).stdout
+    shown = slurm.run(["scontrol", "show", "job", job.scheduler.job_id]).stdout
     assert "TimeLimit=00:01:00" in shown  # time="1": sbatch --time, in minutes
     # Slurm counts limits in whole minutes and checks them every 30 s (60 to 90 s from the
     # start): the job's end time brought forward to now ends it at the next check instead.
-    brought = slurm.run(["scontrol", "update", f"JobId={job.job_id}", "EndTime=now"], check=False)
+    brought = slurm.run(
+        ["scontrol", "update", f"JobId={job.scheduler.job_id}", "EndTime=now"], check=False
+    )
     if brought.returncode:  # a slow machine: the limit itself came first, the job is ending
-        shown = slurm.run(["scontrol", "show", "job", job.job_id]).stdout
+        shown = slurm.run(["scontrol", "show", "job", job.scheduler.job_id]).stdout
         assert "Reason=TimeLimit" in shown or "JobState=TIMEOUT" in shown, (brought.stderr, shown)
     with pytest.raises(SlurmJobEnded) as info:
         job.wait()
@@ -335,7 +337,7 @@ def test_cli_submit_then_attach_from_a_second_kernel(slurm, tiny_data, tmp_path)
             f"""
             import ddpnb.slurm
             job = ddpnb.slurm.attach({str(run)!r}, progress="text")
-            print("FINAL", job.job_id, job.state, len(job.metrics.epochs))
+            print("FINAL", job.scheduler.job_id, job.scheduler.state, len(job.metrics.epochs))
             """
         )
         reply = kc.execute_interactive(
@@ -364,7 +366,7 @@ def test_attach_to_a_job_slurm_has_forgotten(slurm, tmp_path, layout_run):
     run = Path(shutil.copytree(layout_run("1x2").run_dir, tmp_path / "r"))
     (run / "slurm_job.json").write_text('{"job_id": "999999", "nnodes": 1, "nproc_per_node": 2}')
     job = attach(run, progress="none")
-    assert job.state == "UNKNOWN" and job.node_status() == {0: "done"}
+    assert job.scheduler.state == "UNKNOWN" and job.node_status() == {0: "done"}
     assert len(job.metrics.epochs) == 2
     (run / "progress.json").unlink()  # no sign of an ending: Slurm's silence is an error
     with pytest.raises(SlurmJobEnded, match="state UNKNOWN"):
@@ -462,7 +464,7 @@ def test_your_own_script_runs_as_a_batch_job(slurm, tmp_path):
     ], logs
     assert "join_timeout=120," in (run / "train.sbatch").read_text()  # --rdzv-timeout reached it
     # The job's first step proved the network and chose each node's interface.
-    assert "reaches node 0 and all 1 peer(s)" in job.batch_log().read_text()
+    assert "reaches node 0 and all 1 peer(s)" in job.scheduler.batch_log().read_text()
     assert sorted(p.name for p in (run / "logs").glob("net-env-*.sh")) == [
         "net-env-0.sh",
         "net-env-1.sh",
@@ -509,7 +511,7 @@ def test_a_hang_in_a_batch_job_shows_every_ranks_stack(slurm, tmp_path):
         assert {r.node for r in job.stacks().ranks} == {0, 1}
     finally:
         job.stop()
-    assert job.state == "CANCELLED" and _squeue(job.job_id) == ""
+    assert job.scheduler.state == "CANCELLED" and _squeue(job.scheduler.job_id) == ""
 
 
 def test_a_network_check_failure_stops_the_job_before_training(slurm, tmp_path):

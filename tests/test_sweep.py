@@ -24,7 +24,7 @@ from ddpnb import cli
 from ddpnb.agent import descendants
 from ddpnb.demo import NOTEBOOKS
 from ddpnb.errors import ConfigError
-from ddpnb.pipeline import alive
+from ddpnb.scheduler import alive
 from ddpnb.sweep import parse_axis, point_names, resolve_type
 
 NB02 = NOTEBOOKS / "02_single_node_baseline.ipynb"

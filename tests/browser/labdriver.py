@@ -21,7 +21,7 @@ import nbformat
 
 from ddpnb.agent import descendants
 from ddpnb.constants import free_port
-from ddpnb.pipeline import alive
+from ddpnb.scheduler import alive
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
