@@ -15,7 +15,7 @@ from .config import TrainConfig
 from .errors import ConfigError
 from .preflight import as_config
 from .script import Script
-from .topology import Topology
+from .topology import Topology, launcher
 
 TRUST_NOTE = "# The rendezvous store is unauthenticated: use a trusted, private network only."
 FINGERPRINT_NOTE = (
@@ -37,15 +37,15 @@ def node_commands(
     rdzv_timeout: int = 60,
     node_rank: int | None = None,
     *,
-    launcher: Sequence[str] = ("torchrun",),
+    python: str | None = None,
 ) -> list[str]:
     """The exact ``torchrun`` command to paste on each host (``hosts[0]`` is the master).
 
     ``what``: a :class:`~ddpnb.Script` or the worker's TrainConfig; ``run_dir``: where its
     files sit on every node. ``rendezvous="static"`` gives each host its ``--node_rank``;
     ``"c10d"``: an elastic rendezvous on the first host, each line naming its own
-    ``--local_addr``. ``node_rank``: only that node's line. ``launcher``: what starts
-    torchrun (e.g. ``["python3", "-m", "torch.distributed.run"]``).
+    ``--local_addr``. ``node_rank``: only that node's line. ``python``: the hosts'
+    interpreter, to run ``python -m torch.distributed.run`` (default ``torchrun`` on PATH).
     """
     script = what if isinstance(what, Script) else Script.worker(as_config(what))
     hosts = list(hosts)
@@ -65,11 +65,12 @@ def node_commands(
     # Unique per run directory: two jobs on one endpoint cannot collide.
     rdzv_id = f"ddpnb-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}"
     options = {"rendezvous": rendezvous, "rdzv_id": rdzv_id}
-    lines = [
-        shlex.join(topology.command(launcher, n, script, str(run_dir), local_addr=h, **options))
+    start = launcher(python)
+    argvs = [
+        topology.command(start, n, script, str(run_dir), local_addr=h, **options)
         for n, h in enumerate(hosts)
     ]
-    return lines if node_rank is None else [lines[node_rank]]
+    return [shlex.join(a) for a in (argvs if node_rank is None else [argvs[node_rank]])]
 
 
 def format_node_commands(hosts: Sequence[str], commands: Sequence[str]) -> str:

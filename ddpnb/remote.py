@@ -292,8 +292,7 @@ def ssh_commands(
 
     parsed, ssh = parse_hosts(hosts), Ssh(ssh_config, ssh_options)
     addresses = [ssh.hostname(h) for h in parsed]
-    launcher = [python, "-m", "torch.distributed.run"] if python else ["torchrun"]
-    lines = node_commands(what, run_dir, addresses, nproc_per_node, master_port, launcher=launcher)
+    lines = node_commands(what, run_dir, addresses, nproc_per_node, master_port, python=python)
     out = []
     for n, (host, line) in enumerate(zip(parsed, lines)):
         env = network.env(n) if network is not None else None

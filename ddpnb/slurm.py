@@ -42,7 +42,7 @@ from .reporting import RUN_DIR_ENV
 from .rundir import WORKER_NAME
 from .scheduler import Scheduler
 from .script import CONSTANTS_NAME, MESHCHECK_NAME, Script
-from .topology import Topology
+from .topology import Topology, launcher
 
 POLL_SECONDS = 2.0  # between questions to slurmctld: a shared service, asked gently
 STOP_TIMEOUT = 60.0  # scancel: Slurm's KillWait plus its epilog, with room to spare
@@ -384,9 +384,9 @@ class Slurm(Scheduler):
         port = str(t.master_port or "$master_port")
         c10d = {"rendezvous": "c10d", "rdzv_id": "$SLURM_JOB_ID", "endpoint": f"$head_node:{port}"}
         c10d["local_addr"] = "${addr:-$SLURMD_NODENAME}"
-        launcher = [self.python, "-m", "torch.distributed.run"] if self.python else ["torchrun"]
+        start = launcher(self.python)
         log_dir = "$run_dir/logs/node-$SLURM_NODEID"
-        args = t.command(launcher, "$SLURM_NODEID", script, str(run_dir), log_dir, **c10d)
+        args = t.command(start, "$SLURM_NODEID", script, str(run_dir), log_dir, **c10d)
         own = re.compile(r"\$\W*(head_node|master_port|addr\b|SLURM_|run_dir)")  # on nodes
         output = None if marker else "%x-%j.out"  # submitted: on sbatch's command line
         sbatch = {"job-name": self.job_name, "nodes": t.nnodes, "ntasks-per-node": 1}
@@ -408,8 +408,8 @@ class Slurm(Scheduler):
         v["port_line"] = "" if t.master_port else derived
         v["exports"] = "".join(f"export {k}={q(x)}\n" for k, x in (env or {}).items())
         v["node_log"] = q(str(run_dir / "logs" / "node-%n.log"))
-        v["launcher"] = shlex.join(launcher)
-        quoted = [f'"{a}"' if own.search(a) else q(a) for a in args[len(launcher) :]]
+        v["launcher"] = shlex.join(start)
+        quoted = [f'"{a}"' if own.search(a) else q(a) for a in args[len(start) :]]
         v["torchrun"] = " \\\n        ".join(quoted)
         v["marker"] = marker and SUBMITTED.format(**v)
         v["network"] = marker and NETWORK.format(**v)

@@ -10,6 +10,12 @@ from .config import check_int
 from .errors import ConfigError
 
 
+def launcher(python: str | None = None) -> list[str]:
+    """What starts torchrun on a node: ``torchrun`` on its PATH, or ``python`` (a path there)
+    running ``-m torch.distributed.run`` (the same program, found through that interpreter)."""
+    return [python, "-m", "torch.distributed.run"] if python else ["torchrun"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """``nnodes`` x ``nproc_per_node`` processes meeting at ``master_addr:master_port`` (both None
