@@ -51,8 +51,14 @@ def node_commands(
     hosts = list(hosts)
     if not hosts or not all(isinstance(h, str) and h for h in hosts):
         raise ConfigError("hosts must be a non-empty list of host names or addresses.")
-    shape = (nproc_per_node, hosts[0], master_port, rdzv_timeout, max_restarts)
-    topology = Topology(len(hosts), *shape)
+    topology = Topology(
+        nnodes=len(hosts),
+        nproc_per_node=nproc_per_node,
+        master_addr=hosts[0],
+        master_port=master_port,
+        rdzv_timeout=rdzv_timeout,
+        max_restarts=max_restarts,
+    )
     if node_rank is not None:
         topology.check_node(node_rank)
     with suppress(ValueError):  # a hostname: cannot tell

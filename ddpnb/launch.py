@@ -62,7 +62,8 @@ def launch(
 
     >>> job = launch(Script("train.py", args=["--epochs", "3"]), "runs/a")  # doctest: +SKIP
     """
-    shape = (nproc_per_node, master_addr, master_port, rdzv_timeout, max_restarts)
+    shape = dict(nproc_per_node=nproc_per_node, master_addr=master_addr, master_port=master_port)
+    shape |= dict(rdzv_timeout=rdzv_timeout, max_restarts=max_restarts)
     if hosts is not None:
         from .remote import Hosts
         from .ssh import Ssh, parse_hosts
@@ -75,12 +76,12 @@ def launch(
         if local_nodes is not None:
             raise ConfigError("local_nodes applies to simulated nodes; with hosts every host runs.")
         parsed, ssh = parse_hosts(hosts), Ssh(ssh_config, ssh_options)
-        topology = Topology(len(parsed), *shape)
+        topology = Topology(nnodes=len(parsed), **shape)
         scheduler: Scheduler = Hosts(parsed, topology, ssh, python, remote_run_dir)
     elif ssh_config is not None or ssh_options or python or remote_run_dir:
         raise ConfigError("ssh_config, ssh_options, python and remote_run_dir need hosts=[...].")
     else:
-        scheduler = Local(Topology(2 if nnodes is None else nnodes, *shape), local_nodes)
+        scheduler = Local(Topology(nnodes=2 if nnodes is None else nnodes, **shape), local_nodes)
     options = {"progress": progress, "env": env, "resume": resume, "overwrite": overwrite}
     options |= {"hang_timeout": hang_timeout, "on_hang": on_hang}
     return run(what, run_dir, scheduler, wait=wait, **options)

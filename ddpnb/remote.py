@@ -252,7 +252,12 @@ def check_hosts(
     every host or pair that cannot run the job.
     """
     parsed = parse_hosts(hosts)
-    topology = Topology(len(parsed), nproc_per_node, master_addr, master_port)
+    topology = Topology(
+        nnodes=len(parsed),
+        nproc_per_node=nproc_per_node,
+        master_addr=master_addr,
+        master_port=master_port,
+    )
     nodes = Hosts(parsed, topology, Ssh(ssh_config, ssh_options), python)
     if config is not None:
         config = check_run(as_config(config), nodes.nnodes * nproc_per_node, here=False)

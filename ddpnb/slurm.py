@@ -440,7 +440,13 @@ def slurm_script(
     Node output goes to ``run_dir/logs/node-N.log``, the script's to ``%x-%j.out``.
     """
     script = what if isinstance(what, Script) else Script.worker(as_config(what))
-    topology = Topology(nnodes, nproc_per_node, None, master_port, rdzv_timeout, max_restarts)
+    topology = Topology(
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        master_port=master_port,
+        rdzv_timeout=rdzv_timeout,
+        max_restarts=max_restarts,
+    )
     named = {"partition": partition, "account": account, "python": python, "job_name": job_name}
     slurm = Slurm(topology, os.environ, time=time_limit, gpus_per_node=gpus_per_node, **named)
     text = slurm.batch_script(script, Path(run_dir))
@@ -484,7 +490,12 @@ def submit_slurm(
         not isinstance(a, str) for a in sbatch_args
     ):
         raise ConfigError("sbatch_args must be a list of strings, e.g. ['--qos=short'].")
-    topology = Topology(nnodes, nproc_per_node, None, None, rdzv_timeout, max_restarts)
+    topology = Topology(
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        rdzv_timeout=rdzv_timeout,
+        max_restarts=max_restarts,
+    )
     sbatch = {"partition": partition, "time": time, "account": account, "sbatch_args": sbatch_args}
     sbatch |= {"gpus_per_node": gpus_per_node, "python": python or sys.executable}
     scheduler = Slurm(topology, os.environ, **sbatch)
@@ -510,8 +521,9 @@ def attach(run_dir: str | os.PathLike, wait: bool = True, progress: str = "auto"
     r = old | record  # older records: these defaults
     conf = {"SLURM_CONF": r["slurm_conf"]} if r.get("slurm_conf") else {}
     env = {**conf, **os.environ}  # the cluster it was submitted to, unless SLURM_CONF names one
-    shape = (r["nnodes"], r["nproc_per_node"], None, None, r["rdzv_timeout"], r["max_restarts"])
-    topology, name = Topology(*shape), r["script"]  # its path in the run directory
+    shape = ("nnodes", "nproc_per_node", "rdzv_timeout", "max_restarts")
+    topology = Topology(**{k: r[k] for k in shape})  # node 0 and its port: the job's
+    name = r["script"]  # its path in the run directory
     worker = name == WORKER_NAME and (run_dir / "config.json").exists()
     config = TrainConfig.load(run_dir / "config.json") if worker else None
     script = Script(run_dir / name, r["args"], rename=name)

@@ -23,8 +23,8 @@ class Topology:
 
     nnodes: int
     nproc_per_node: int
-    master_addr: str | None
-    master_port: int | None
+    master_addr: str | None = None
+    master_port: int | None = None
     rdzv_timeout: int = 60
     max_restarts: int = 0
 
