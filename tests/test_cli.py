@@ -154,8 +154,11 @@ def _wait_for(predicate, timeout: float) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_stops_every_process_and_the_run_resumes(tiny_data, tmp_path, sig):
+    """About 40 s each: two nodes train until the signal. SIGINT (Ctrl-C: exit 130, nothing
+    left) goes through the same handler and is tested with `ddpnb run`
+    (test_script.py::test_cli_interrupt_leaves_nothing)."""
     run = tmp_path / "r"
     argv = [sys.executable, "-m", "ddpnb", "train", "--data", str(tiny_data), "--run-dir", str(run)]
     tiny = ["--image-size", "16", "--batch-size", "8", "--timeout-seconds", "30"]
@@ -175,11 +178,8 @@ def test_a_signal_stops_every_process_and_the_run_resumes(tiny_data, tmp_path, s
     finally:
         if cli_proc.poll() is None:
             os.killpg(cli_proc.pid, signal.SIGKILL)
-    if sig == signal.SIGINT:  # Ctrl-C: KeyboardInterrupt, the shell's 130
-        assert cli_proc.returncode == 130 and "every process of the run was stopped" in err, err
-    else:
-        assert cli_proc.returncode == 128 + sig, err
-        assert f"stopped by {signal.Signals(sig).name}" in err and "--resume" in err
+    assert cli_proc.returncode == 128 + sig, err
+    assert f"stopped by {signal.Signals(sig).name}" in err and "--resume" in err
     assert _wait_for(lambda: not any(alive(p) for p in pids), 10), [p for p in pids if alive(p)]
     if sig != signal.SIGTERM:
         return  # resuming is the same for either signal; once is enough for the suite

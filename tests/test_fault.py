@@ -102,6 +102,7 @@ def test_a_lost_node_stops_the_survivor_and_the_run_resumes(tiny_data, tmp_path)
     node1 = _start_remote_node(job.config, run, port, 1)
     try:
         _wait_for_epoch(run, 1)
+        assert_loopback_only(job.pids(), port, workers=1)  # node 0 here, at master_addr 127.0.0.1
         os.killpg(node1.pid, signal.SIGKILL)  # node 1's torchrun agent (its workers live on)
         killed_at = time.time()
         with pytest.raises(ddpnb.errors.NodeLost) as e:
@@ -129,10 +130,15 @@ def test_a_lost_node_stops_the_survivor_and_the_run_resumes(tiny_data, tmp_path)
 
 
 def test_a_killed_local_agent_is_named(tiny_data, tmp_path):
+    """Also: with master_addr="localhost" (loopback too) the store and every worker's gloo
+    listener bind loopback only, never every interface."""
     cfg = tiny_config(tiny_data, epochs=40, timeout_seconds=10, threads=1)
-    job = ddpnb.launch(cfg, tmp_path / "r", nnodes=2, wait=False, progress="none")
+    job = ddpnb.launch(
+        cfg, tmp_path / "r", nnodes=2, master_addr="localhost", wait=False, progress="none"
+    )
     _wait_for_epoch(tmp_path / "r", 1)
     pids = job.pids()
+    assert_loopback_only(pids, job.master_port, workers=2)
     os.killpg(job.scheduler.procs[1].pid, signal.SIGKILL)
     killed_at = time.time()
     with pytest.raises(ddpnb.errors.NodeLost, match=r"Node 1 was lost: .*killed \(SIGKILL\)") as e:
@@ -236,25 +242,9 @@ def _listening(pids: list[int]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("master_addr", ["127.0.0.1", "localhost"])
-def test_simulated_nodes_listen_on_loopback_only(tiny_data, tmp_path, master_addr):
-    # "localhost" is loopback too: its store must not listen on every interface.
-    job = ddpnb.launch(
-        tiny_config(tiny_data, epochs=30),
-        tmp_path / "r",
-        nnodes=2,
-        master_addr=master_addr,
-        wait=False,
-        progress="none",
-    )
-    try:
-        deadline = time.time() + 60
-        while not (tmp_path / "r" / "progress.json").exists() and time.time() < deadline:
-            time.sleep(0.2)
-        addresses = _listening(job.pids())
-    finally:
-        job.stop()
-    assert f"127.0.0.1:{job.master_port}" in addresses  # the rendezvous store
-    assert len(addresses) >= 3  # and each worker's gloo listener
+def assert_loopback_only(pids: list[int], master_port: int, workers: int) -> None:
+    """Simulated nodes keep the unauthenticated store and gloo's listeners on 127.0.0.1."""
+    addresses = _listening(pids)
+    assert f"127.0.0.1:{master_port}" in addresses  # the rendezvous store
+    assert len(addresses) >= 1 + workers  # and each worker's gloo listener
     assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
-    assert not alive(job.scheduler.procs[0].pid)
