@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -216,27 +217,16 @@ def test_cli_train_two_nodes(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_continues_from_the_checkpoint(tiny_data, tmp_path):
-    """About 70 s under two workers: two launches, the run and its resume."""
-    run = tmp_path / "r"
-    ddpnb.launch(tiny_config(tiny_data, epochs=1), run, nnodes=1, progress="none")
-    first = (run / "metrics.jsonl").read_text().splitlines()
-    job = ddpnb.launch(
-        tiny_config(tiny_data, epochs=2), run, nnodes=1, progress="none", resume=True
-    )
-    assert [e["epoch"] for e in job.metrics.epochs] == [1, 2]  # each epoch exactly once
-    assert (run / "metrics.jsonl").read_text().splitlines()[0] == first[0]  # epoch 1 kept as is
-    assert "resumed from" in job.log_tail(0, 200) and "after epoch 1" in job.log_tail(0, 200)
-
-
-@pytest.mark.slow
-def test_a_run_from_before_a_config_field_existed_resumes(tiny_data, tmp_path):
-    """About 75 s under two workers: a launch, then a resume from its files rewritten as an
-    older ddpnb wrote them."""
+def test_resume_continues_from_the_checkpoint_an_older_ddpnb_wrote_too(
+    layout_run, tiny_data, tmp_path
+):
+    """About 35 s under two workers: one launch, the resume of a copy of the session's 1x1 run
+    (2 epochs) whose files are rewritten as an older ddpnb wrote them."""
     # An older ddpnb wrote config.json and the checkpoint without channels_last, and with
     # fields retired since (the pitfall switches, the in-memory pipeline).
     run = tmp_path / "r"
-    ddpnb.launch(tiny_config(tiny_data, epochs=1), run, nnodes=1, progress="none")
+    shutil.copytree(layout_run("1x1").run_dir, run)
+    first = (run / "metrics.jsonl").read_text().splitlines()
     retired = {"thread_budget": True, "set_epoch": True, "pipeline": "auto"}
     saved = {**json.loads((run / "config.json").read_text()), **retired}
     del saved["channels_last"]
@@ -247,14 +237,15 @@ def test_a_run_from_before_a_config_field_existed_resumes(tiny_data, tmp_path):
     torch.save(ckpt, run / "checkpoints" / "last.pt")
     with pytest.raises(RunDirError, match="channels_last"):  # not its default
         ddpnb.launch(
-            tiny_config(tiny_data, epochs=2, channels_last=True),
+            tiny_config(tiny_data, epochs=3, channels_last=True),
             run,
             nnodes=1,
             progress="none",
             resume=True,
         )
     job = ddpnb.launch(
-        tiny_config(tiny_data, epochs=2), run, nnodes=1, progress="none", resume=True
+        tiny_config(tiny_data, epochs=3), run, nnodes=1, progress="none", resume=True
     )
-    assert [e["epoch"] for e in job.metrics.epochs] == [1, 2]
-    assert "after epoch 1" in job.log_tail(0, 200)
+    assert [e["epoch"] for e in job.metrics.epochs] == [1, 2, 3]  # each epoch exactly once
+    assert (run / "metrics.jsonl").read_text().splitlines()[:2] == first[:2]  # kept as they were
+    assert "resumed from" in job.log_tail(0, 200) and "after epoch 2" in job.log_tail(0, 200)
