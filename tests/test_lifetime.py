@@ -60,7 +60,9 @@ def _resume_completes(data: Path, run: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("end", ["sigkill", "restart"])
 def test_an_ended_kernel_leaves_nothing_and_the_run_resumes(tiny_data, tmp_path, end):
-    """About 50 s under two workers: a kernel starts a run and is ended, then a resume trains."""
+    """About 50 s under two workers: a kernel starts a run and is ended, then (after the
+    SIGKILL, where nothing of the kernel ran) a resume trains; the resume after a polite
+    restart is the same launch, once is enough for the suite."""
     from jupyter_client import KernelManager
 
     run = tmp_path / "r"
@@ -90,7 +92,7 @@ def test_an_ended_kernel_leaves_nothing_and_the_run_resumes(tiny_data, tmp_path,
     assert left == [], f"still alive {LIFETIME_LIMIT} s after the kernel ended ({end}): {left}"
     if end == "sigkill":  # nothing of the kernel ran: the lifeline stopped the nodes
         assert "the launcher is gone" in (run / "logs" / "node-0.log").read_text()
-    _resume_completes(tiny_data, run)
+        _resume_completes(tiny_data, run)
 
 
 @pytest.mark.slow
