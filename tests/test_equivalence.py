@@ -50,6 +50,7 @@ def test_one_and_two_processes_give_the_same_curve(tiny_data, tmp_path):
 
 
 def test_shared_memory_average_is_bit_identical_to_gloo(layout_run, tiny_data, tmp_path):
+    """About 30 s: a gloo run to compare with the session's shared-memory 1x2 run, bit for bit."""
     # At two ranks both paths compute a/2 + b/2 per element: the weights must be equal to
     # the bit, not just close, or the shared-memory path would change training.
     shm = layout_run("1x2")  # comm_hook="auto" takes shared memory on one host

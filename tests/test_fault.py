@@ -199,6 +199,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tiny_data, tmp_path):
 
 
 def test_worker_names_a_corrupt_image_found_while_loading(data_copy, tmp_path):
+    """About 40 s: a real torchrun at world size 2 must reach the broken image while loading."""
     ddpnb.write_worker(tiny_config(data_copy), tmp_path / "run")  # no launch-time check here
     bad = data_copy / "val" / "4" / "broken.png"
     bad.write_bytes(b"\x89PNG garbage")

@@ -99,6 +99,7 @@ def test_busy_port_is_refused(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_finished_run_is_never_overwritten_silently(layout_run, tiny_data):
+    """Up to about 60 s under two workers: the first test to ask for the session's 1x1 run pays for it."""
     job = layout_run("1x1")
     before = (job.run_dir / "metrics.jsonl").read_bytes()
     with pytest.raises(RunDirError, match="resume=True.*overwrite=True"):
@@ -193,6 +194,7 @@ def _cli_train(data, run_dir, *args):
 
 @pytest.mark.slow
 def test_cli_train_two_nodes(tiny_data, tmp_path):
+    """About 30 s: the CLI (its own interpreter) and a two-node launch."""
     r = _cli_train(
         tiny_data,
         tmp_path / "r",

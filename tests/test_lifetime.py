@@ -97,6 +97,7 @@ def test_an_ended_kernel_leaves_nothing_and_the_run_resumes(tiny_data, tmp_path,
 
 @pytest.mark.slow
 def test_a_crashed_parent_leaves_nothing(tiny_data, tmp_path):
+    """About 30 s: a parent that starts two nodes and aborts; the lifeline must end them."""
     run = tmp_path / "r"
     code = _launch_code(tiny_data, run) + "import os; os.abort()\n"
     parent = subprocess.Popen(

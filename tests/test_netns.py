@@ -96,6 +96,7 @@ def run_per_namespace(commands, env: dict, logs: Path, timeout: float):
 
 
 def test_two_nodes_over_a_veth_link_then_the_link_is_cut(veth_pair, tiny_data, tmp_path):
+    """About 40 s: two namespaces train, then the cut link must outlast gloo's timeout (10 s)."""
     (ns_a, ns_b), (dev_a, dev_b), (addr_a, _) = veth_pair
     run = tmp_path / "run"
     cfg = tiny_config(tiny_data, epochs=40, timeout_seconds=10, threads=1)

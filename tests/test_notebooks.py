@@ -541,6 +541,7 @@ def solved(src: Path, dst: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", WITH_EXERCISES)
 def test_the_exercises_run_solved_and_their_checks_are_clean(tmp_path, name):
+    """About 35-45 s: the solved exercises run in a kernel, and the check runs once per solution."""
     import papermill
 
     path = solved(NOTEBOOKS / name, tmp_path / f"solved-{name}")

@@ -41,6 +41,7 @@ def test_relative_paths_keep_their_place_absolute_ones_land_at_the_top(project):
 
 @pytest.mark.slow
 def test_a_project_with_folders_trains_on_simulated_nodes(project, tmp_path):
+    """About 40 s: a two-node launch of the project's own script, its folders copied in."""
     script = ddpnb.Script("train.py", args=["config/small.json"], files=FILES)
     job = ddpnb.launch(script, tmp_path / "run", nnodes=2, progress="none")
     run = job.run_dir

@@ -164,6 +164,7 @@ def _cli(*args, **kwargs) -> subprocess.CompletedProcess:
 
 
 def test_cli_run_options_then_script_then_its_args(tmp_path):
+    """About 30 s: the CLI (its own interpreter) and a two-node launch of a user's script."""
     run = tmp_path / "cli"
     r = _cli(
         "run", "--nnodes", "2", "--run-dir", str(run), "--file", str(OWN / "datautils.py"),

@@ -226,6 +226,7 @@ def test_a_torchrun_restart_under_c10d_meets_again(slurm, tiny_data, tmp_path):
 def test_a_raising_worker_is_a_worker_failed_with_its_traceback(
     slurm, tiny_data, tmp_path, monkeypatch
 ):
+    """About 40 s: a two-node batch job whose rank 1 raises; Slurm ends the job, the error is read."""
     # The job's environment is the submitter's (sbatch --export=ALL, Slurm's default).
     monkeypatch.setenv("DDPNB_FAULT", "rank=1,epoch=1,step=1,mode=raise")
     run = tmp_path / "r"
@@ -243,6 +244,7 @@ def test_a_raising_worker_is_a_worker_failed_with_its_traceback(
 
 
 def test_interrupt_cancels_the_job_and_nothing_is_left(slurm, tiny_data, tmp_path):
+    """About 40 s: a two-node job must train before Ctrl-C; scancel, then no process is left."""
     cfg = tiny_config(tiny_data, epochs=50, **ONE_THREAD)
     job = submit_slurm(cfg, tmp_path / "r", nnodes=2, wait=False, progress="none")
     _wait_until(lambda: job.metrics.epochs, 120, "epoch 1")
@@ -267,6 +269,7 @@ def test_interrupt_cancels_the_job_and_nothing_is_left(slurm, tiny_data, tmp_pat
 
 
 def test_the_time_limit_is_slurms_typed_error(slurm, tiny_data, tmp_path):
+    """About 45 s: a job must be training when Slurm's time limit (1 minute, its smallest) ends it."""
     cfg = tiny_config(tiny_data, epochs=1000, **ONE_THREAD)
     job = submit_slurm(cfg, tmp_path / "r", nnodes=1, time="1", wait=False, progress="none")
     _wait_until(lambda: job.metrics.epochs, 120, "epoch 1")  # training, as at a real limit
@@ -291,6 +294,8 @@ def test_the_time_limit_is_slurms_typed_error(slurm, tiny_data, tmp_path):
 
 
 def test_cli_submit_then_attach_from_a_second_kernel(slurm, tiny_data, tmp_path):
+    """About 45 s: a detached submission from the CLI, then a fresh Jupyter kernel that attaches
+    and follows the job to its end."""
     from jupyter_client import KernelManager
 
     run = tmp_path / "r"
@@ -377,6 +382,7 @@ def test_attach_to_a_job_slurm_has_forgotten(slurm, tmp_path, layout_run):
 
 
 def test_notebook_08_submits_to_slurm(slurm, digits_data, tmp_path):
+    """About 50 s: notebook 08 top to bottom against the throwaway Slurm, its job queued, run and followed."""
     import papermill
 
     out = tmp_path / "08_slurm.ipynb"

@@ -31,6 +31,7 @@ def test_rank_table_has_a_row_per_rank_and_epoch(layout_run):
 
 
 def test_rank_table_last_epoch_and_several_runs(layout_run):
+    """Up to about 30 s: the first test to ask for the session's 1x1 and 1x2 runs pays for them."""
     one, two = layout_run("1x1"), layout_run("1x2")
     last = tables.rank_table(two, ["val_samples"], last_epoch=True)
     assert [(r["epoch"], r["rank"]) for r in last] == [(EPOCHS, 0), (EPOCHS, 1)]

@@ -22,6 +22,7 @@ VAL_SIZE = sum(VAL_COUNTS)
 
 @pytest.mark.parametrize("layout", ["1x1", "1x2", "2x1", "3x1"])
 def test_metrics_and_rank_files(layout_run, layout):
+    """Up to about 35 s: the first test to ask for a layout pays for its run (3x1: three agents)."""
     job = layout_run(layout)
     nnodes, nproc = map(int, layout.split("x"))
     world_size = nnodes * nproc
