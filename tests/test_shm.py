@@ -46,6 +46,8 @@ def run_ranks(tmp_path: Path, shm_dirs: list[str]) -> list[dict]:
 
 
 def test_three_ranks_average_like_gloo(tmp_path):
+    """Up to about 40 s under two workers: three spawned ranks, each importing torch and
+    forming a gloo group, on 2 cores."""
     # /dev/shm is the machine's: only what this run made counts (a run another test
     # SIGKILLed in its first second may have left its 24-byte marker there).
     before = set(os.listdir("/dev/shm"))
@@ -69,6 +71,8 @@ def test_ranks_that_do_not_share_dev_shm_use_the_backend(tmp_path):
 
 @pytest.mark.root
 def test_full_dev_shm_falls_back_to_the_backend(tmp_path):
+    """Up to about 45 s under two workers: three spawned ranks (as above) on a tmpfs too
+    small for the largest bucket."""
     small = tmp_path / "small-shm"
     small.mkdir()
     # Room for the small buckets but not for the largest: it must not SIGBUS.
