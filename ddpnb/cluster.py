@@ -72,11 +72,11 @@ def node_commands(
     rdzv_id = f"ddpnb-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}"
     options = {"rendezvous": rendezvous, "rdzv_id": rdzv_id}
     start = launcher(python)
-    argvs = [
-        topology.command(start, n, script, str(run_dir), local_addr=h, **options)
+    lines = [
+        shlex.join(topology.command(start, n, script, str(run_dir), local_addr=h, **options))
         for n, h in enumerate(hosts)
     ]
-    return [shlex.join(a) for a in (argvs if node_rank is None else [argvs[node_rank]])]
+    return lines if node_rank is None else [lines[node_rank]]
 
 
 def format_node_commands(hosts: Sequence[str], commands: Sequence[str]) -> str:

@@ -146,16 +146,13 @@ def _verdict(job: Followed):
 
 
 def _start_line(job: Followed) -> str:
+    hosts = [job.host(n) for n in range(job.nnodes)]  # None: this machine
     return (
         f"ddpnb: {job.nnodes} node(s) x {job.nproc_per_node} process(es) = world size "
         f"{job.world_size}; node 0 is the master and hosts the rendezvous at "
         f"{job.master_addr}:{job.master_port}; run dir {job.run_dir}"
-        + (f"; hosts {', '.join(map(str, hosts))}" if any(hosts := _hosts(job)) else "")
+        + (f"; hosts {', '.join(hosts)}" if all(hosts) else "")
     )
-
-
-def _hosts(job: Followed) -> list[str | None]:
-    return [job.host(n) for n in range(job.nnodes)]
 
 
 def _finish_line(job: Followed) -> str:
